@@ -1,0 +1,1 @@
+"""foreserve core library. Never imports ray at module level."""

@@ -1,0 +1,80 @@
+"""Pydantic settings for the engine (and, later, the Serve app). Every field says what it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app import paths
+
+
+class EngineConfig(BaseModel):
+    """One engine replica: model, KV pool, allocation policy, scheduler and SLOs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("", description="HF model folder; empty means the embedded SmolLM2-135M-Instruct.")
+    served_model_name: str = Field("SmolLM2-135M-Instruct", description="Model id shown to clients.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
+    max_model_len_tokens: int = Field(2048, ge=16, description="Longest prompt + output a sequence may reach.")
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none; also the bucket range.")
+    kv_cache_tokens: int | None = Field(8192, ge=1, description="KV pool size in tokens (per replica).")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; overrides kv_cache_tokens.")
+    block_size_tokens: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    max_num_seqs: int = Field(128, ge=1, description="Most sequences running at once.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Per-step token budget (chunked prefill).")
+    allocation: str = Field("reserve_predicted", description="reserve_max | paged | reserve_predicted | oracle.")
+    scheduler: str = Field("online", description="fcfs | offline | online.")
+    ttft_slo_ms: float = Field(2000.0, gt=0, description="Online time-to-first-token objective.")
+    tpot_slo_ms: float = Field(250.0, gt=0, description="Online time-per-output-token objective.")
+    aging_tokens_per_s: float = Field(100.0, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited.")
+    num_buckets: int = Field(10, ge=1, description="Output-length buckets of the predictor.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks sharding one replica (DeepSpeed AutoTP).")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / TP.")
+    seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        from app.engine.allocation import POLICIES
+        from app.engine.scheduler import SCHEDULERS
+
+        if self.allocation not in POLICIES:
+            raise ValueError(f"unknown allocation policy {self.allocation!r}; choose one of {sorted(POLICIES)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {sorted(SCHEDULERS)}")
+        if self.kv_cache_tokens is None and self.kv_cache_bytes is None:
+            raise ValueError("set kv_cache_tokens or kv_cache_bytes")
+        if self.default_max_tokens >= self.max_model_len_tokens:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must be below max_model_len_tokens ({self.max_model_len_tokens})"
+            )
+        return self
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model).expanduser() if self.model else paths.model_dir()
+
+    def kv_pool_blocks(self, kv_bytes_per_token: int) -> int:
+        """Blocks in the pool, from bytes (if given) or tokens."""
+        if self.kv_cache_bytes is not None:
+            tokens = self.kv_cache_bytes // max(kv_bytes_per_token, 1)
+        else:
+            tokens = self.kv_cache_tokens or 0
+        blocks = tokens // self.block_size_tokens
+        if blocks < 1:
+            raise ValueError(f"KV budget of {tokens} tokens is smaller than one block ({self.block_size_tokens})")
+        return blocks
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data

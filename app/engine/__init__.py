@@ -1,0 +1,1 @@
+"""The inference engine: requests, paged KV pool, allocation policies, schedulers, runners."""

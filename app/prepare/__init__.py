@@ -1,0 +1,1 @@
+"""`foreserve prepare`: build the embedded model folder and the ShareGPT replay traces."""

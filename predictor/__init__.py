@@ -1,0 +1,1 @@
+"""Output-length prediction: buckets, the predictor interface and its implementations."""

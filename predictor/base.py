@@ -1,0 +1,62 @@
+"""The predictor interface the engine depends on, and the two prediction-free implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from predictor.buckets import LengthBuckets
+
+
+@dataclass(slots=True)
+class LengthPrediction:
+    """Per prompt: the predicted bucket, the bucket probabilities and the reservation bound."""
+
+    buckets: list[int]
+    probabilities: np.ndarray  # [n_prompts, num_buckets]
+    bound_tokens: list[int]  # what the engine reserves for the output (a guess, not a length)
+
+
+class LengthPredictor:
+    """``predict(prompts) -> LengthPrediction``. Implementations must be safe to call in batches."""
+
+    name: str = "base"
+    version: str = "0"
+
+    def __init__(self, buckets: LengthBuckets | None = None) -> None:
+        self.buckets = buckets or LengthBuckets()
+
+    def predict(self, prompts: Sequence[str]) -> LengthPrediction:  # pragma: no cover
+        raise NotImplementedError
+
+    def _from_buckets(self, buckets: list[int]) -> LengthPrediction:
+        probs = np.zeros((len(buckets), self.buckets.num_buckets), dtype=np.float32)
+        probs[np.arange(len(buckets)), buckets] = 1.0
+        return LengthPrediction(buckets, probs, [self.buckets.upper_bound_tokens(b) for b in buckets])
+
+
+class MaxPredictor(LengthPredictor):
+    """No prediction: every prompt gets the last bucket (reserve for max_tokens)."""
+
+    name = "max"
+
+    def predict(self, prompts: Sequence[str]) -> LengthPrediction:
+        return self._from_buckets([self.buckets.num_buckets - 1] * len(prompts))
+
+
+class OraclePredictor(LengthPredictor):
+    """The true length's bucket, looked up by prompt text (benchmarks replaying a trace)."""
+
+    name = "oracle"
+
+    def __init__(self, true_output_tokens: Mapping[str, int], buckets: LengthBuckets | None = None) -> None:
+        super().__init__(buckets)
+        self.true_output_tokens = dict(true_output_tokens)
+
+    def predict(self, prompts: Sequence[str]) -> LengthPrediction:
+        missing = [p for p in prompts if p not in self.true_output_tokens]
+        if missing:
+            raise KeyError(f"oracle predictor has no true length for {len(missing)} prompt(s)")
+        return self._from_buckets([self.buckets.bucket_of(self.true_output_tokens[p]) for p in prompts])

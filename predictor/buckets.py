@@ -1,0 +1,40 @@
+"""Equal-width output-length buckets (S3: max_tokens / num_buckets each)."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LengthBuckets(BaseModel):
+    """Bucket ``i`` holds lengths in ``(i*w, (i+1)*w]`` with ``w = max_tokens / num_buckets``;
+    lengths past ``max_tokens`` fall in the last bucket."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int = Field(1024, ge=1, description="Length covered by the buckets (the system's max_tokens).")
+    num_buckets: int = Field(10, ge=1, description="Number of equal-width buckets.")
+
+    @property
+    def width_tokens(self) -> float:
+        return self.max_tokens / self.num_buckets
+
+    def bucket_of(self, output_tokens: int) -> int:
+        if output_tokens <= 0:
+            return 0
+        return min(math.ceil(output_tokens / self.width_tokens) - 1, self.num_buckets - 1)
+
+    def upper_bound_tokens(self, bucket: int) -> int:
+        """Largest length in ``bucket`` (an integer, so ``upper_bound(bucket_of(n)) >= n``)."""
+        bucket = min(max(bucket, 0), self.num_buckets - 1)
+        return math.floor((bucket + 1) * self.width_tokens + 1e-9)
+
+    def next_bound_tokens(self, generated_tokens: int) -> int:
+        """The bound to re-admit with once ``generated_tokens`` outgrew a reservation: the upper
+        edge of the next bucket. Past the last bucket it grows by one bucket width."""
+        bucket = self.bucket_of(generated_tokens + 1)
+        bound = self.upper_bound_tokens(bucket)
+        if bound <= generated_tokens:
+            bound = generated_tokens + math.ceil(self.width_tokens)
+        return bound
