@@ -1,0 +1,119 @@
+"""AsyncLLMEngine: an asyncio streaming front for LLMEngine.
+
+The engine steps in one background thread (the model forward releases the GIL in torch ops);
+callers on any event loop submit and abort through a thread-safe inbox and receive their
+outputs on a per-request asyncio queue. A caller that stops iterating (client disconnect,
+cancellation) aborts its request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from app.engine.engine import LLMEngine
+from app.engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; the replica must be restarted."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="foreserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def generate(self, request_id: str | None = None, **request: Any) -> AsyncIterator[RequestOutput]:
+        """Submit a request (the keyword arguments of ``LLMEngine.add_request``) and stream its outputs.
+
+        Raises the engine's validation error (e.g. ``RequestRejected``) on the first iteration.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", request_id, request))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id, None))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, None))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # -- engine thread -------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, request_id, request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "abort":
+                self.engine.abort(request_id)
+                continue
+            try:
+                self.engine.add_request(request_id=request_id, **request)
+            except Exception as exc:  # validation errors go back to the caller
+                self._deliver(request_id, exc)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            log.exception("engine loop crashed")
+            self.error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine loop crashed: {exc!r}"))

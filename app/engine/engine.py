@@ -1,0 +1,204 @@
+"""LLMEngine: ``step() = schedule() -> runner.execute() -> update()``, plus request intake and stats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from app.config import EngineConfig
+from app.engine.allocation import make_policy
+from app.engine.detokenizer import Detokenizer
+from app.engine.kv_pool import KVPool
+from app.engine.request import Request, RequestOutput, RequestStatus, Runner, SamplingParams
+from app.engine.scheduler import make_scheduler
+from predictor.base import LengthPrediction, LengthPredictor, MaxPredictor
+from predictor.buckets import LengthBuckets
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long for the model or the KV pool)."""
+
+
+@dataclass
+class EngineStats:
+    steps: int
+    forward_s: float
+    wall_s: float
+    output_tokens: int
+    preemptions: int
+    overflow_preemptions: int
+    recomputed_tokens: int
+    mean_running_batch: float
+    peak_kv_used_tokens: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    num_waiting: int
+    num_running: int
+
+
+class LLMEngine:
+    """One replica's engine. Not thread-safe: drive it from one thread (see AsyncLLMEngine)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        num_blocks: int,
+        tokenizer=None,
+        predictor: LengthPredictor | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.buckets = LengthBuckets(max_tokens=config.default_max_tokens, num_buckets=config.num_buckets)
+        self.predictor = predictor or MaxPredictor(self.buckets)
+        self.pool = KVPool(num_blocks, config.block_size_tokens)
+        self.policy = make_policy(config.allocation, self.pool, self.buckets)
+        self._sim_clock_s = 0.0
+        self._t0 = time.perf_counter()
+        self.scheduler = make_scheduler(config.scheduler, config, self.policy, self.clock)
+        self._detok: dict[str, Detokenizer] = {}
+        self.forward_s = 0.0
+        self.output_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None) -> "LLMEngine":
+        """Build the real runner (tensor-parallel when configured) and size the pool for it."""
+        from transformers import AutoConfig
+
+        from app.engine.runner import HFRunner
+
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.dtype))
+        if config.tensor_parallel_size > 1:
+            from app.engine.tp import TPRunner
+
+            runner: Runner = TPRunner(config, num_blocks)
+        else:
+            runner = HFRunner(config, num_blocks)
+        return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor)
+
+    # -- time ------------------------------------------------------------------------------
+    def clock(self) -> float:
+        """Seconds since start: modelled time for a simulated runner, wall time otherwise."""
+        if self.runner.simulated:
+            return self._sim_clock_s
+        return time.perf_counter() - self._t0
+
+    # -- intake ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        tier: str = "online",
+        priority: int = 0,
+        prediction: tuple[int, list[float] | None, int] | None = None,
+        true_output_tokens: int | None = None,
+        detokenize: bool = True,
+    ) -> Request:
+        """Queue a request. ``prediction`` is (bucket, probabilities, bound_tokens); without it
+        the engine's predictor is asked (one prompt at a time: batch callers should pass it)."""
+        sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
+        if prompt_token_ids is None:
+            if prompt is None or self.tokenizer is None:
+                raise ValueError("give prompt_token_ids, or a prompt and an engine with a tokenizer")
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        limit = min(self.config.max_model_len_tokens, self.pool.capacity_tokens)
+        if total > limit:
+            raise RequestRejected(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds this engine's limit of {limit} tokens"
+            )
+        if prediction is None:
+            pred: LengthPrediction = self.predictor.predict([prompt or ""])
+            prediction = (pred.buckets[0], pred.probabilities[0].tolist(), pred.bound_tokens[0])
+        bucket, probs, bound_tokens = prediction
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            arrival_s=self.clock(),
+            tier=tier,
+            priority=priority,
+            predicted_output_tokens=max(1, min(int(bound_tokens), sampling.max_tokens)),
+            predicted_bucket=bucket,
+            bucket_probs=probs,
+            true_output_tokens=true_output_tokens,
+            prompt=prompt,
+        )
+        self.scheduler.add(req)
+        if detokenize and self.tokenizer is not None:
+            self._detok[req.request_id] = Detokenizer(self.tokenizer, sampling.stop)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if not sched_out.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler admitted nothing with an empty pool: a request cannot fit")
+            return []
+        result = self.runner.execute(sched_out)
+        self.forward_s += result.step_s
+        if self.runner.simulated:
+            self._sim_clock_s += result.step_s
+        self.scheduler.observe_step(sched_out.num_tokens, result.step_s)
+        touched = self.scheduler.update(sched_out, result, self.runner.eos_token_id)
+        self.output_tokens += len(touched)
+        return [self._output(req) for req in touched]
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = ""
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            text, hit_stop = detok.add(req.output_token_ids)
+            if hit_stop and not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:
+                text += detok.finish()
+        if req.status.finished:
+            self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=req.output_token_ids[-1:],
+            text_delta=text,
+            finished=req.status.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            steps=s.steps,
+            forward_s=self.forward_s,
+            wall_s=self.clock(),
+            output_tokens=self.output_tokens,
+            preemptions=s.preemptions,
+            overflow_preemptions=s.overflow_preemptions,
+            recomputed_tokens=s.recomputed_tokens,
+            mean_running_batch=s.scheduled_seqs / s.steps if s.steps else 0.0,
+            peak_kv_used_tokens=self.pool.peak_used_tokens,
+            kv_capacity_tokens=self.pool.capacity_tokens,
+            kv_used_tokens=self.pool.used_tokens,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+        )
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -1,0 +1,230 @@
+"""Continuous batching with chunked prefill, shared by every scheduler.
+
+Each step: running sequences first (decodes and unfinished prefill chunks, in the scheduler's
+priority order), then admissions from the waiting queue, all under one per-step token budget.
+Subclasses decide only *order* (`running_key`, `waiting_order`), *who yields* on a full
+pool (the lowest-priority running sequence) and *how much* a step may carry (`step_token_budget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.config import EngineConfig
+from app.engine.allocation import AllocationPolicy, Grow
+from app.engine.request import (
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    overflow_preemptions: int = 0  # of which: outgrew a predicted reservation
+    recomputed_tokens: int = 0
+    scheduled_seqs: int = 0  # summed over steps (mean batch = scheduled_seqs / steps)
+    scheduled_tokens: int = 0
+
+
+class Scheduler:
+    name = "base"
+    # False: stop admitting at the first waiting request that does not fit (FCFS, no overtaking).
+    skip_unfit = True
+
+    def __init__(self, config: EngineConfig, policy: AllocationPolicy, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_ids: list[str] = []
+        self._admit_seq = 0
+        self._admit_order: dict[str, int] = {}
+
+    # -- ordering hooks ----------------------------------------------------------------------
+    def waiting_order(self) -> list[Request]:
+        """Waiting requests in the order admission should try them."""
+        return sorted(self.waiting, key=lambda r: (-r.priority, r.arrival_s))
+
+    def running_key(self, req: Request) -> tuple:
+        """Sort key of running requests: first scheduled first, preempted last."""
+        return (-req.priority, self._admit_order[req.request_id])
+
+    def step_token_budget(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    def max_running(self) -> int:
+        return self.config.max_num_seqs
+
+    def observe_step(self, num_tokens: int, step_s: float) -> None:
+        """Feedback after each step (the online scheduler learns its step-time model here)."""
+
+    # -- queue management --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (stop, length, abort): free its blocks and forget it."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.policy.free(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        req.finish_reason = status.value
+        req.finished_s = self.clock()
+        self.requests.pop(req.request_id, None)
+        self._admit_order.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _preempt(self, req: Request, overflow: bool) -> None:
+        """Recompute-style preemption: drop the KV, send the request back to the waiting queue."""
+        self.running.remove(req)
+        self.policy.free(req)
+        if overflow:
+            self.policy.rebound(req)
+            self.stats.overflow_preemptions += 1
+        self.stats.preemptions += 1
+        self.stats.recomputed_tokens += req.num_computed_tokens
+        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_preemptions += 1
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        # NOTE: the runner keeps the request's sampler state across a preemption, so a seeded
+        # request draws the same random stream whether or not it was recomputed.
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.step_token_budget()
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        preempted = False
+        self.running.sort(key=self.running_key)
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                result = self.policy.grow(req, num_new)
+                if result is Grow.OK:
+                    break
+                if result is Grow.OVERFLOW:
+                    self._preempt(req, overflow=True)
+                    preempted = True
+                    break
+                victim = self._victim(exclude=scheduled | {req.request_id})
+                if victim is None:
+                    self._preempt(req, overflow=False)
+                    preempted = True
+                    break
+                self._preempt(victim, overflow=False)
+                preempted = True
+            if req.status is RequestStatus.RUNNING:
+                chunks.append(self._chunk(req, num_new))
+                scheduled.add(req.request_id)
+                budget -= num_new
+
+        # NOTE: no admissions in a step that had to preempt: the pool is under pressure, and
+        # admitting now would only thrash (vLLM does the same).
+        if not preempted:
+            budget = self._admit(chunks, budget)
+
+        self.stats.steps += 1
+        self.stats.scheduled_seqs += len(chunks)
+        out = SchedulerOutput(chunks=chunks, finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        self.stats.scheduled_tokens += out.num_tokens
+        return out
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        for req in self.waiting_order():
+            if budget <= 0 or len(self.running) >= self.max_running():
+                break
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.policy.can_admit(req, num_new):
+                if self.skip_unfit and not self.must_wait_for(req):
+                    continue
+                break
+            self.policy.admit(req, num_new)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            if req.admitted_s is None:
+                req.admitted_s = self.clock()
+            self._admit_seq += 1
+            self._admit_order[req.request_id] = self._admit_seq
+            self.running.append(req)
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+        return budget
+
+    def must_wait_for(self, req: Request) -> bool:
+        """True if nothing may overtake ``req`` (anti-starvation for schedulers that skip)."""
+        return False
+
+    def _victim(self, exclude: set[str]) -> Request | None:
+        for req in reversed(self.running):  # running is sorted: lowest priority last
+            if req.request_id not in exclude:
+                return req
+        return None
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids(start, start + num_new),
+            start_pos=start,
+            block_ids=self.policy.block_ids(req),
+            sample=start + num_new == req.num_tokens,
+            sampling=req.sampling,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, eos_token_id: int | None) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, retire on EOS or max_tokens.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        now = self.clock()
+        touched: list[Request] = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = result.sampled_token_ids[chunk.request_id]
+            req.output_token_ids.append(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            touched.append(req)
+            if token == eos_token_id and not req.sampling.ignore_eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_output_tokens >= req.sampling.max_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+        return touched

@@ -1,0 +1,20 @@
+"""Throughput scheduler for the offline pool: S3's packing by predicted length.
+
+The waiting queue is packed into free KV memory by decreasing first-fit on each request's
+reservation (prompt + predicted output): the largest predicted sequences are placed first and the
+remaining holes are filled with smaller ones, so the batch is as large as memory allows.
+"""
+
+from __future__ import annotations
+
+from app.engine.request import Request
+from app.engine.scheduler.base import Scheduler
+
+
+class OfflineScheduler(Scheduler):
+    name = "offline"
+    skip_unfit = True
+
+    def waiting_order(self) -> list[Request]:
+        reserve = self.policy.reservation_tokens
+        return sorted(self.waiting, key=lambda r: (-r.priority, -reserve(r), r.arrival_s))

@@ -1,0 +1,74 @@
+"""Build engines on the fake runner and run them to completion."""
+
+from __future__ import annotations
+
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.engine.request import SamplingParams
+from tests.fake_runner import FakeRunner
+
+
+def make_engine(
+    allocation: str = "reserve_predicted",
+    scheduler: str = "fcfs",
+    kv_tokens: int = 256,
+    block: int = 16,
+    eos_at: dict[str, int] | None = None,
+    step_s: float = 0.01,
+    **overrides,
+) -> LLMEngine:
+    fields = dict(
+        allocation=allocation,
+        scheduler=scheduler,
+        kv_cache_tokens=kv_tokens,
+        block_size_tokens=block,
+        max_model_len_tokens=2048,
+        default_max_tokens=100,
+        max_num_batched_tokens=64,
+    )
+    fields.update(overrides)
+    config = EngineConfig(**fields)
+    runner = FakeRunner(block, step_s=step_s, eos_at=eos_at)
+    return LLMEngine(config, runner, config.kv_pool_blocks(1))
+
+
+def add(
+    engine: LLMEngine,
+    rid: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    predicted: int | None = None,
+    max_tokens: int | None = None,
+    priority: int = 0,
+    ignore_eos: bool = True,
+):
+    """A request forced to ``output_tokens`` (via max_tokens) with a predicted bound."""
+    sampling = SamplingParams(max_tokens=max_tokens or output_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    bound = predicted if predicted is not None else sampling.max_tokens
+    return engine.add_request(
+        prompt_token_ids=[5] * prompt_tokens,
+        sampling=sampling,
+        request_id=rid,
+        priority=priority,
+        prediction=(engine.buckets.bucket_of(bound), None, bound),
+        true_output_tokens=output_tokens,
+    )
+
+
+def run_all(engine: LLMEngine, max_steps: int = 100_000, on_step=None) -> dict[str, list]:
+    """Step until done; return request_id -> list of RequestOutput. Checks the pool after every step."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        pool = engine.pool
+        assert 0 <= pool.num_free_blocks <= pool.num_blocks
+        assert pool.used_tokens <= pool.capacity_tokens
+        if on_step:
+            on_step(engine)
+    else:
+        raise AssertionError("engine did not finish")
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks, "blocks leaked after all requests finished"
+    return outputs
