@@ -98,6 +98,7 @@ class LLMEngine:
         priority: int = 0,
         prediction: tuple[int, list[float] | None, int] | None = None,
         true_output_tokens: int | None = None,
+        force_true_length: bool = False,
         detokenize: bool = True,
     ) -> Request:
         """Queue a request. ``prediction`` is (bucket, probabilities, bound_tokens); without it
@@ -131,6 +132,7 @@ class LLMEngine:
             predicted_bucket=bucket,
             bucket_probs=probs,
             true_output_tokens=true_output_tokens,
+            force_true_length=force_true_length and true_output_tokens is not None,
             prompt=prompt,
         )
         self.scheduler.add(req)

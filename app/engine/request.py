@@ -61,6 +61,8 @@ class Request:
     bucket_probs: list[float] | None = None
     # Known only in benchmarks replaying a trace; the `oracle` policy reserves exactly this.
     true_output_tokens: int | None = None
+    # Benchmarks replaying a trace stop each request at its true length (EOS ignored).
+    force_true_length: bool = False
     prompt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)

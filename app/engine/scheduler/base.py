@@ -36,6 +36,8 @@ class Scheduler:
     name = "base"
     # False: stop admitting at the first waiting request that does not fit (FCFS, no overtaking).
     skip_unfit = True
+    # True when admission order depends on the clock (aging): fruitless attempts are not cached.
+    time_sensitive = False
 
     def __init__(self, config: EngineConfig, policy: AllocationPolicy, clock: Callable[[], float]) -> None:
         self.config = config
@@ -48,6 +50,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._admit_seq = 0
         self._admit_order: dict[str, int] = {}
+        self._fruitless_admit_state: tuple | None = None
 
     # -- ordering hooks ----------------------------------------------------------------------
     def waiting_order(self) -> list[Request]:
@@ -162,6 +165,19 @@ class Scheduler:
         return out
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        # NOTE: with thousands waiting (offline, simulator) sorting and first-fit every step
+        # dominates; if the pool, the queue and the budget are as they were when the last attempt
+        # admitted nothing, this one would admit nothing too.
+        state = (self.policy.pool.num_free_blocks, len(self.waiting), len(self.running), budget, self._admit_seq)
+        if not self.waiting or state == self._fruitless_admit_state:
+            return budget
+        admitted_before = self._admit_seq
+        budget = self._admit_ordered(chunks, budget)
+        if self._admit_seq == admitted_before and not self.time_sensitive:
+            self._fruitless_admit_state = state
+        return budget
+
+    def _admit_ordered(self, chunks: list[ScheduledChunk], budget: int) -> int:
         for req in self.waiting_order():
             if budget <= 0 or len(self.running) >= self.max_running():
                 break
@@ -225,6 +241,8 @@ class Scheduler:
             touched.append(req)
             if token == eos_token_id and not req.sampling.ignore_eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.num_output_tokens >= req.sampling.max_tokens:
+            elif req.num_output_tokens >= req.sampling.max_tokens or (
+                req.force_true_length and req.num_output_tokens >= (req.true_output_tokens or 0)
+            ):
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
         return touched

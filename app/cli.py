@@ -1,0 +1,142 @@
+"""The `foreserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_static", "hf_continuous")
+
+
+def _env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from app.prepare.run import prepare
+
+    summary = prepare(force=args.force)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICY_CHOICES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {bad or text!r}; choose from {', '.join(POLICY_CHOICES)}")
+    return names
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from loadtests.report import print_table
+    from loadtests.throughput import run_benchmark
+
+    if args.sim and any(p in ("hf_static", "hf_continuous") for p in args.policies):
+        raise SystemExit("error: the hf_* peers run the real model; drop them from --policies with --sim")
+    report = run_benchmark(
+        policies=args.policies,
+        num_requests=args.requests,
+        kv_tokens=args.kv_tokens,
+        max_tokens=args.max_tokens,
+        predictor=args.predictor,
+        sim=args.sim,
+        tp=args.tp,
+        repeats=args.repeats,
+        scheduler=args.scheduler,
+    )
+    print_table(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one chat completion from the engine (no server): a quick way to see the model work."""
+    import asyncio
+
+    from app.config import EngineConfig
+    from app.engine.async_engine import AsyncLLMEngine
+    from app.engine.engine import LLMEngine
+    from app.engine.request import SamplingParams
+
+    config = EngineConfig(tensor_parallel_size=args.tp, kv_cache_tokens=4096)
+    engine = LLMEngine.from_config(config)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
+    )
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    aengine = AsyncLLMEngine(engine)
+
+    async def stream() -> None:
+        async for out in aengine.generate(prompt=prompt, sampling=sampling):
+            print(out.text_delta, end="", flush=True)
+        print()
+
+    try:
+        asyncio.run(stream())
+    finally:
+        aengine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="foreserve",
+        description="LLM serving that predicts each request's output length and uses it to reserve KV memory and schedule.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="build the embedded model folder and the ShareGPT traces (idempotent)")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.set_defaults(func=cmd_prepare)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    b = bench.add_parser(
+        "throughput",
+        help="offline replay of the ShareGPT validation trace, all policies side by side",
+        description="Replays the validation trace with every request forced to its true length, "
+        "each policy (and peer) on the same requests and KV budget; prints a table and writes JSON.",
+    )
+    b.add_argument("--policies", type=_policies, default=_policies("reserve_max,paged,reserve_predicted,oracle"),
+                   help=f"comma-separated, from: {', '.join(POLICY_CHOICES)}")
+    b.add_argument("--requests", type=int, default=32, help="requests replayed (default 32)")
+    b.add_argument("--kv-tokens", type=int, default=4096, help="KV pool size in tokens (ignored with --sim)")
+    b.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request (default 1024)")
+    b.add_argument("--predictor", default="oracle", help="oracle | max | an MLflow alias such as champion")
+    b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
+    b.add_argument("--scheduler", choices=("fcfs", "offline", "online"),
+                   help="override the scheduler (default: fcfs for reserve_max/paged, offline for the others)")
+    b.add_argument("--json", metavar="FILE", help="write the benchmark JSON here")
+    b.set_defaults(func=cmd_bench_throughput)
+
+    g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--tp", type=int, default=1)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env()
+    args = build_parser().parse_args(argv)
+    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

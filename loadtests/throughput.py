@@ -1,0 +1,226 @@
+"""`foreserve bench throughput`: offline replay of the ShareGPT validation trace.
+
+All policies run side by side in one process on the same requests and the same KV budget, each
+request forced to its true output length (EOS ignored, the standard convention), with the real
+model (or the simulated runner with ``--sim HARDWARE:MODEL``), plus the transformers peers.
+Only useful tokens count. Output: the benchmark JSON contract of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.engine.request import Runner, SamplingParams
+from predictor.base import LengthPredictor, MaxPredictor, OraclePredictor
+from predictor.buckets import LengthBuckets
+
+PEERS = ("hf_static", "hf_continuous")
+DEFAULT_SCHEDULER = {"reserve_max": "fcfs", "paged": "fcfs", "reserve_predicted": "offline", "oracle": "offline"}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    output_tokens: int  # true length, capped at max_tokens: every request generates exactly this
+
+
+def load_requests(n: int, max_tokens: int, tokenizer=None, split: str = "validation") -> list[BenchRequest]:
+    """The first ``n`` trace records (id order: deterministic). Without a tokenizer (simulator),
+    prompt token ids are placeholders of the right length."""
+    from app.prepare.traces import load_trace
+
+    records = load_trace(split)
+    if not records:
+        raise RuntimeError(f"the {split} trace is empty; run `foreserve prepare`")
+    out = []
+    for i in range(n):
+        rec = records[i % len(records)]  # the simulator may ask for more than the split holds
+        ids = tokenizer.encode(rec.prompt, add_special_tokens=False) if tokenizer else [1] * rec.prompt_tokens
+        out.append(BenchRequest(f"{rec.id}-{i}", rec.prompt, ids, min(rec.output_tokens, max_tokens)))
+    return out
+
+
+def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBuckets) -> LengthPredictor:
+    if name == "oracle":
+        return OraclePredictor({r.prompt: r.output_tokens for r in requests}, buckets)
+    if name == "max":
+        return MaxPredictor(buckets)
+    from predictor.registry import load_predictor  # the learned predictor (MLflow alias)
+
+    return load_predictor(name, buckets)
+
+
+def run_policy(
+    config: EngineConfig,
+    runner: Runner,
+    num_blocks: int,
+    requests: list[BenchRequest],
+    predictor: LengthPredictor,
+    label: str = "",
+) -> dict:
+    """Replay ``requests`` (all arriving at t=0) through one engine; return one result row."""
+    engine = LLMEngine(config, runner, num_blocks, tokenizer=None, predictor=predictor)
+    pred = predictor.predict([r.prompt for r in requests])
+    t0 = time.perf_counter()
+    for i, r in enumerate(requests):
+        engine.add_request(
+            prompt_token_ids=r.prompt_token_ids,
+            sampling=SamplingParams(max_tokens=config.default_max_tokens, temperature=0.0, ignore_eos=True),
+            request_id=f"{label}{config.allocation}-{r.request_id}",
+            prompt=r.prompt,
+            prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
+            true_output_tokens=r.output_tokens,
+            force_true_length=True,
+            detokenize=False,
+        )
+    total = sum(r.output_tokens for r in requests)
+    with tqdm(total=total, desc=f"{config.allocation:>17}", unit="tok", leave=False) as bar:
+        while engine.has_unfinished_requests():
+            bar.update(len(engine.step()))
+    real_wall_s = time.perf_counter() - t0
+    stats = engine.stats()
+    if stats.output_tokens != total:
+        raise RuntimeError(f"{config.allocation}: generated {stats.output_tokens} tokens, expected {total}")
+    wall_s = stats.forward_s if runner.simulated else real_wall_s
+    return {
+        "policy": config.allocation,
+        "scheduler": config.scheduler,
+        "wall_s": round(wall_s, 4),
+        "output_tokens": stats.output_tokens,
+        "output_tokens_per_s": round(stats.output_tokens / wall_s, 3),
+        "requests_per_s": round(len(requests) / wall_s, 4),
+        "mean_running_batch": round(stats.mean_running_batch, 2),
+        "peak_kv_used_tokens": stats.peak_kv_used_tokens,
+        "preemptions": stats.preemptions,
+        "recomputed_tokens": stats.recomputed_tokens,
+        "overflow_preemptions": stats.overflow_preemptions,
+        "steps": stats.steps,
+        "forward_s": round(stats.forward_s, 4),
+        "outside_forward_frac": round(max(real_wall_s - stats.forward_s, 0.0) / real_wall_s, 4)
+        if not runner.simulated
+        else None,
+        "sim_real_s": round(real_wall_s, 2) if runner.simulated else None,
+    }
+
+
+def median_rows(rows: list[dict]) -> dict:
+    """Median of repeated runs of one policy (numeric fields), keeping the per-run throughputs."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            out[key] = statistics.median(vals)
+    out["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rows]
+    return out
+
+
+def build_runner(config: EngineConfig, sim: str | None, tp: int) -> tuple[Runner, int, object]:
+    """(runner, pool blocks, tokenizer) for the real model or the simulator."""
+    if sim:
+        from app.engine.profiles import parse_sim_spec
+        from app.engine.sim import SimRunner
+
+        hardware, model = parse_sim_spec(sim)
+        runner = SimRunner(hardware, model, tp)
+        num_blocks = runner.kv_budget_bytes() // (runner.kv_bytes_per_token * config.block_size_tokens)
+        return runner, int(num_blocks), None
+    from transformers import AutoConfig
+
+    from app.engine.runner import HFRunner
+
+    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(AutoConfig.from_pretrained(config.model_path), config.dtype))
+    if tp > 1:
+        from app.engine.tp import TPRunner
+
+        runner = TPRunner(config, num_blocks)
+    else:
+        runner = HFRunner(config, num_blocks)
+    return runner, num_blocks, runner.tokenizer
+
+
+def ratios(results: list[dict]) -> dict:
+    tps = {r["policy"]: r["output_tokens_per_s"] for r in results}
+    rec = {r["policy"]: r["recomputed_tokens"] for r in results}
+    out = {}
+    ours = [p for p in tps if p not in PEERS and p != "oracle"]
+    if "reserve_predicted" in tps:
+        for other in ("reserve_max", "paged", "oracle"):
+            if other in tps:
+                out[f"reserve_predicted_vs_{other}"] = round(tps["reserve_predicted"] / tps[other], 3)
+        if "paged" in rec:
+            out["recomputed_tokens_vs_paged"] = round(rec["reserve_predicted"] / max(rec["paged"], 1), 3)
+    if ours:
+        best = max(ours, key=tps.get)
+        out["best_policy"] = best
+        for peer in PEERS:
+            if peer in tps:
+                out[f"best_vs_{peer}"] = round(tps[best] / tps[peer], 3)
+    return out
+
+
+def run_benchmark(
+    policies: list[str],
+    num_requests: int,
+    kv_tokens: int,
+    max_tokens: int,
+    predictor: str = "oracle",
+    sim: str | None = None,
+    tp: int = 1,
+    repeats: int = 1,
+    scheduler: str | None = None,
+    block_size_tokens: int = 16,
+    max_num_batched_tokens: int = 512,
+) -> dict:
+    base = EngineConfig(
+        kv_cache_tokens=kv_tokens,
+        block_size_tokens=block_size_tokens,
+        default_max_tokens=max_tokens,
+        max_model_len_tokens=max_tokens + 1024,
+        max_num_seqs=1024 if sim else 256,
+        max_num_batched_tokens=max_num_batched_tokens if not sim else 8192,
+        tensor_parallel_size=tp,
+    )
+    runner, num_blocks, tokenizer = build_runner(base, sim, tp)
+    try:
+        requests = load_requests(num_requests, max_tokens, tokenizer)
+        buckets = LengthBuckets(max_tokens=max_tokens, num_buckets=base.num_buckets)
+        pred = make_predictor(predictor, requests, buckets)
+        ours = [p for p in policies if p not in PEERS]
+        rows: dict[str, list[dict]] = {p: [] for p in policies}
+        for rep in range(repeats):  # NOTE: interleaved, so drift on a noisy machine hits all alike
+            for policy in ours:
+                config = base.model_copy(update={"allocation": policy, "scheduler": scheduler or DEFAULT_SCHEDULER[policy]})
+                rows[policy].append(run_policy(config, runner, num_blocks, requests, pred, label=f"{rep}-"))
+                tqdm.write(f"[{rep + 1}/{repeats}] {policy}: {rows[policy][-1]['output_tokens_per_s']} tok/s")
+            for peer in (p for p in policies if p in PEERS):
+                from loadtests.hf_peers import run_peer
+
+                rows[peer].append(run_peer(peer, runner, requests, num_blocks * block_size_tokens, max_tokens))
+                tqdm.write(f"[{rep + 1}/{repeats}] {peer}: {rows[peer][-1]['output_tokens_per_s']} tok/s")
+    finally:
+        runner.shutdown()
+    results = [median_rows(rows[p]) for p in policies]
+    return {
+        "config": {
+            "requests": num_requests,
+            "kv_tokens": num_blocks * block_size_tokens,
+            "max_tokens": max_tokens,
+            "predictor": predictor,
+            "sim": sim,
+            "tp": tp,
+            "repeats": repeats,
+            "block_size_tokens": block_size_tokens,
+            "max_num_batched_tokens": base.max_num_batched_tokens,
+            "trace": "sharegpt validation split",
+        },
+        "results": results,
+        "ratios": ratios(results),
+    }
