@@ -53,8 +53,10 @@ def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBucke
         return OraclePredictor({r.prompt: r.output_tokens for r in requests}, buckets)
     if name == "max":
         return MaxPredictor(buckets)
-    from predictor.registry import load_predictor  # the learned predictor (MLflow alias)
-
+    try:
+        from predictor.registry import load_predictor  # the learned predictor (MLflow alias)
+    except ImportError:
+        raise ValueError(f"unknown predictor {name!r}: this build has 'oracle' and 'max'") from None
     return load_predictor(name, buckets)
 
 
@@ -82,7 +84,7 @@ def run_policy(
             detokenize=False,
         )
     total = sum(r.output_tokens for r in requests)
-    with tqdm(total=total, desc=f"{config.allocation:>17}", unit="tok", leave=False) as bar:
+    with tqdm(total=total, desc=f"{config.allocation:>17}", unit="tok", leave=False, mininterval=2.0) as bar:
         while engine.has_unfinished_requests():
             bar.update(len(engine.step()))
     real_wall_s = time.perf_counter() - t0

@@ -52,6 +52,7 @@ def add(
         priority=priority,
         prediction=(engine.buckets.bucket_of(bound), None, bound),
         true_output_tokens=output_tokens,
+        force_true_length=True,
     )
 
 

@@ -5,9 +5,12 @@ physically held. The scheduler decides order and victims; it never sees block in
 
 - ``reserve_max``: reserve prompt + max_tokens at admission (FasterTransformer/ORCA baseline).
 - ``paged``: allocate on demand; when the pool runs dry the scheduler preempts (vLLM).
-- ``reserve_predicted``: reserve prompt + predicted bound; on overflow grow into free blocks,
-  else the sequence is preempted and re-admitted with the next bucket's bound (S3).
-- ``oracle``: reserve prompt + the true output length (benchmarks: the limit of prediction).
+- ``reserve_predicted``: reserve prompt + predicted bound; on overflow grow into unreserved
+  memory if any, else the sequence is preempted and re-admitted with the next bucket's bound (S3).
+  The reservation is held *in time* (see `timeline.py`): the sequence is promised the tokens its
+  predicted trajectory needs at each future step, and blocks are bound to it as it grows, so
+  memory a short sequence will have released is promised again to a longer one.
+- ``oracle``: the same with the true output length (benchmarks: the limit of prediction).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import enum
 
 from app.engine.kv_pool import KVPool
 from app.engine.request import Request
+from app.engine.timeline import Ramp, Timeline
 from predictor.buckets import LengthBuckets
 
 
@@ -32,10 +36,14 @@ class AllocationPolicy:
     reserves = True  # reserve the whole expected sequence at admission
     watermark_blocks = 0  # blocks kept free at admission so running sequences can grow
 
-    def __init__(self, pool: KVPool, buckets: LengthBuckets) -> None:
+    def __init__(self, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> None:
         self.pool = pool
         self.buckets = buckets
+        self.max_seq_tokens = max_seq_tokens
         self._tables: dict[str, list[int]] = {}
+
+    def on_step(self) -> None:
+        """Called once at the start of every scheduling step."""
 
     # -- what a policy decides -------------------------------------------------------------
     def reservation_tokens(self, req: Request) -> int:
@@ -94,8 +102,8 @@ class Paged(AllocationPolicy):
     name = "paged"
     reserves = False
 
-    def __init__(self, pool: KVPool, buckets: LengthBuckets) -> None:
-        super().__init__(pool, buckets)
+    def __init__(self, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> None:
+        super().__init__(pool, buckets, max_seq_tokens)
         # NOTE: vLLM keeps ~1% of the pool free at admission so that freshly admitted
         # sequences can decode a few steps before the pool runs dry and forces preemption.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
@@ -106,23 +114,81 @@ class Paged(AllocationPolicy):
 
 class ReservePredicted(AllocationPolicy):
     name = "reserve_predicted"
+    reserves = False  # blocks are bound on demand; the promise is kept by the timeline
+
+    def __init__(self, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> None:
+        super().__init__(pool, buckets, max_seq_tokens)
+        self.timeline = Timeline(pool.num_blocks, pool.block_size_tokens, horizon_steps=max_seq_tokens)
+        self._ramps: dict[str, Ramp] = {}
+        self._anchored: set[str] = set()
+
+    def predicted_total_tokens(self, req: Request) -> int:
+        """Prompt + the predicted output: where the promised trajectory ends."""
+        return req.num_prompt_tokens + (req.predicted_output_tokens or req.sampling.max_tokens)
 
     def reservation_tokens(self, req: Request) -> int:
-        guess = req.predicted_output_tokens or req.sampling.max_tokens
-        return req.num_prompt_tokens + max(guess, req.num_output_tokens + 1)
+        return max(self.predicted_total_tokens(req), req.num_tokens + 1)
 
     def rebound(self, req: Request) -> None:
         bound = self.buckets.next_bound_tokens(req.num_output_tokens)
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), req.sampling.max_tokens)
 
+    def on_step(self) -> None:
+        self.timeline.advance()
+
+    def _plan(self, req: Request) -> tuple[int, int]:
+        """(tokens now, steps to go) of the request's predicted trajectory."""
+        tokens = req.num_tokens
+        return tokens, max(self.reservation_tokens(req) - tokens, 0)
+
+    def can_admit(self, req: Request, num_new_tokens: int) -> bool:
+        if self.pool.blocks_for(req.num_computed_tokens + num_new_tokens) > self.pool.num_free_blocks:
+            return False
+        return self.timeline.fits(*self._plan(req))
+
+    def admit(self, req: Request, num_new_tokens: int) -> None:
+        super().admit(req, num_new_tokens)
+        self._ramps[req.request_id] = self.timeline.add(*self._plan(req))
+
+    def _replan(self, req: Request) -> None:
+        self.timeline.remove(self._ramps[req.request_id])
+        self._ramps[req.request_id] = self.timeline.add(*self._plan(req))
+
+    def grow(self, req: Request, num_new_tokens: int) -> Grow:
+        rid = req.request_id
+        if req.num_computed_tokens + num_new_tokens > self.predicted_total_tokens(req):
+            # Outgrew the prediction: extend to the next bucket if unreserved memory allows.
+            self.timeline.remove(self._ramps[rid])
+            old = req.predicted_output_tokens
+            self.rebound(req)
+            if not self.timeline.fits(*self._plan(req)):
+                req.predicted_output_tokens = old  # the scheduler's preemption rebounds it
+                self._ramps[rid] = self.timeline.add(0, 0)
+                return Grow.OVERFLOW
+            self._ramps[rid] = self.timeline.add(*self._plan(req))
+        elif rid not in self._anchored and req.num_computed_tokens >= req.num_tokens - 1 and req.num_output_tokens:
+            # NOTE: prefill may take several steps (chunking); re-anchor the ramp once decoding
+            # starts so the promised trajectory tracks the real one.
+            self._anchored.add(rid)
+            self._replan(req)
+        result = super().grow(req, num_new_tokens)
+        return result if result is Grow.OK else Grow.POOL_DRY
+
+    def free(self, req: Request) -> None:
+        super().free(req)
+        ramp = self._ramps.pop(req.request_id, None)
+        if ramp is not None:
+            self.timeline.remove(ramp)
+        self._anchored.discard(req.request_id)
+
 
 class Oracle(ReservePredicted):
     name = "oracle"
 
-    def reservation_tokens(self, req: Request) -> int:
+    def predicted_total_tokens(self, req: Request) -> int:
         if req.true_output_tokens is None:
             return req.max_total_tokens
-        return req.num_prompt_tokens + max(req.true_output_tokens, req.num_output_tokens + 1)
+        return req.num_prompt_tokens + min(req.true_output_tokens, req.sampling.max_tokens)
 
 
 POLICIES: dict[str, type[AllocationPolicy]] = {
@@ -130,8 +196,8 @@ POLICIES: dict[str, type[AllocationPolicy]] = {
 }
 
 
-def make_policy(name: str, pool: KVPool, buckets: LengthBuckets) -> AllocationPolicy:
+def make_policy(name: str, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> AllocationPolicy:
     try:
-        return POLICIES[name](pool, buckets)
+        return POLICIES[name](pool, buckets, max_seq_tokens)
     except KeyError:
         raise ValueError(f"unknown allocation policy {name!r}; choose one of {sorted(POLICIES)}") from None

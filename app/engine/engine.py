@@ -54,7 +54,7 @@ class LLMEngine:
         self.buckets = LengthBuckets(max_tokens=config.default_max_tokens, num_buckets=config.num_buckets)
         self.predictor = predictor or MaxPredictor(self.buckets)
         self.pool = KVPool(num_blocks, config.block_size_tokens)
-        self.policy = make_policy(config.allocation, self.pool, self.buckets)
+        self.policy = make_policy(config.allocation, self.pool, self.buckets, config.max_model_len_tokens)
         self._sim_clock_s = 0.0
         self._t0 = time.perf_counter()
         self.scheduler = make_scheduler(config.scheduler, config, self.policy, self.clock)

@@ -124,6 +124,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         preempted = False
+        self.policy.on_step()
         self.running.sort(key=self.running_key)
 
         for req in list(self.running):
