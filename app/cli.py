@@ -61,12 +61,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one chat completion from the engine (no server): a quick way to see the model work."""
     import asyncio
 
-    from app.config import EngineConfig
+    from app.config import load_pool_config
     from app.engine.async_engine import AsyncLLMEngine
     from app.engine.engine import LLMEngine
     from app.engine.request import SamplingParams
 
-    config = EngineConfig(tensor_parallel_size=args.tp, kv_cache_tokens=4096)
+    config = load_pool_config(args.pool, args.config, tensor_parallel_size=args.tp)
     engine = LLMEngine.from_config(config)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DeepSpeed AutoTP ranks)")
+    g.add_argument("--config", help="serve_config.yaml to read the pool from (default: the repository's)")
+    g.add_argument("--pool", default="online", choices=("online", "offline"), help="which pool's engine settings")
     g.set_defaults(func=cmd_generate)
     return parser
 
@@ -135,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        # NOTE: bad input (a spec, a config, a missing package or file) reads as one line, not
+        # a traceback; pydantic's ValidationError is a ValueError and lists every bad field.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -69,6 +69,18 @@ class EngineConfig(BaseModel):
         return blocks
 
 
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "serve_config.yaml"
+
+
+def load_pool_config(pool: str = "online", path: str | Path | None = None, **overrides) -> EngineConfig:
+    """The EngineConfig of one pool (``online`` or ``offline``) from serve_config.yaml."""
+    path = Path(path) if path else DEFAULT_CONFIG_PATH
+    pools = load_yaml(path).get("pools") or {}
+    if pool not in pools:
+        raise ValueError(f"{path}: no pool {pool!r}; pools defined: {sorted(pools)}")
+    return EngineConfig(**{**(pools[pool] or {}), **overrides})
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():

@@ -243,3 +243,17 @@ def test_request_longer_than_the_pool_is_rejected():
     with pytest.raises(RequestRejected, match="exceeds this engine's limit of 128 tokens"):
         add(engine, "big", 100, 50)
     assert not engine.has_unfinished_requests()
+
+
+def test_serve_config_pools_load_and_unknown_pool_is_rejected(tmp_path):
+    from app.config import load_pool_config
+
+    online = load_pool_config("online")
+    offline = load_pool_config("offline")
+    assert (online.scheduler, offline.scheduler) == ("online", "offline")
+    bad = tmp_path / "c.yaml"
+    bad.write_text("pools:\n  online:\n    allocation: nope\n")
+    with pytest.raises(ValidationError, match="unknown allocation policy"):
+        load_pool_config("online", bad)
+    with pytest.raises(ValueError, match="no pool 'batch'"):
+        load_pool_config("batch", bad)

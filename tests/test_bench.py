@@ -1,0 +1,78 @@
+"""The throughput benchmark end to end: JSON contract, useful-token accounting, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from app.cli import main
+from app.prepare.traces import load_trace
+from loadtests.throughput import run_benchmark
+
+CONTRACT_KEYS = {
+    "policy", "scheduler", "wall_s", "output_tokens", "output_tokens_per_s", "requests_per_s",
+    "mean_running_batch", "peak_kv_used_tokens", "preemptions", "recomputed_tokens",
+}
+POLICIES = ["reserve_max", "paged", "reserve_predicted", "oracle"]
+
+
+def expected_tokens(n: int, max_tokens: int) -> int:
+    records = load_trace("validation")
+    return sum(min(records[i % len(records)].output_tokens, max_tokens) for i in range(n))
+
+
+def test_sim_benchmark_contract_and_ordering():
+    report = run_benchmark(POLICIES, num_requests=300, kv_tokens=4096, max_tokens=2048,
+                           sim="H100-80G:llama-3-70b", tp=2)
+    rows = {r["policy"]: r for r in report["results"]}
+    assert set(rows) == set(POLICIES)
+    total = expected_tokens(300, 2048)
+    for row in rows.values():
+        assert CONTRACT_KEYS <= set(row)
+        assert row["output_tokens"] == total
+        assert row["peak_kv_used_tokens"] <= report["config"]["kv_tokens"]
+    assert rows["reserve_max"]["preemptions"] == rows["oracle"]["preemptions"] == 0
+    # Prediction buys batch size: the whole point.
+    assert rows["oracle"]["mean_running_batch"] > 2 * rows["reserve_max"]["mean_running_batch"]
+    assert rows["reserve_predicted"]["output_tokens_per_s"] > 2 * rows["reserve_max"]["output_tokens_per_s"]
+
+
+@pytest.mark.model
+def test_real_model_benchmark_writes_the_json_contract(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--requests", "3", "--max-tokens", "24", "--kv-tokens", "2048",
+               "--policies", ",".join(POLICIES), "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    total = expected_tokens(3, 24)
+    for row in report["results"]:
+        assert CONTRACT_KEYS <= set(row)
+        assert row["output_tokens"] == total
+        assert 0 < row["peak_kv_used_tokens"] <= 2048
+    assert "reserve_predicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "throughput", "--policies", "reserve_everything"], "unknown policy"),
+        (["bench", "throughput", "--requests", "0"], "--requests must be >= 1"),
+        (["bench", "throughput", "--sim", "H100-80G:llama-3-70b", "--policies", "hf_static"], "hf_* peers"),
+        (["bench", "throughput", "--sim", "TPU:llama-3-70b", "--tp", "2", "--policies", "paged"], "TPU"),
+    ],
+)
+def test_cli_rejects_bad_input_with_a_message(args, message):
+    proc = subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_lists_commands():
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for word in ("prepare", "bench", "generate"):
+        assert word in proc.stdout
