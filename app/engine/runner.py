@@ -1,0 +1,260 @@
+"""HFRunner: a Llama-family Hugging Face causal LM with its KV cache in the paged pool.
+
+The forward is our own, built from the HF model's modules (embeddings, norms, projections, MLP,
+rotary embedding). All tokens of a step are packed into one ``[T, hidden]`` tensor for the linear
+layers; attention reads and writes the preallocated pool
+``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``.
+Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
+shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside their forward.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.config import EngineConfig
+from app.engine.request import ModelRunnerOutput, Runner, ScheduledChunk, SchedulerOutput
+from app.engine.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's rotate-half RoPE on ``[T, heads, head_dim]`` with ``cos/sin: [T, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # rows [start, end) of the packed step
+    end: int
+    ctx_tokens: int  # attends to positions [0, ctx_tokens)
+    block_ids: torch.Tensor | None  # None: the chunk starts at position 0, attend to its own K/V
+    mask: torch.Tensor | None  # [n, ctx] True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class _Step:
+    """Index tensors for one step, built once and reused by every layer."""
+
+    input_ids: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat pool slot of each token
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor
+    num_decode: int  # rows [0, num_decode) are one-token chunks
+    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] padded block tables
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]
+    prefills: list[_Prefill]
+    sample_rows: torch.Tensor  # rows whose logits are computed
+    sample_chunks: list[ScheduledChunk]
+
+
+class HFRunner(Runner):
+    """Runs the model in this process. ``model`` lets a caller pass an already built (e.g. sharded) one."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, model: torch.nn.Module | None = None,
+                 load_tokenizer: bool = True) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.block_size_tokens
+        self.num_blocks = num_blocks
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path) if load_tokenizer else None
+        eos = self.model.config.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+
+        inner = self.model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = self.model.lm_head
+        attn = self.layers[0].self_attn
+        hf = self.model.config
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # NOTE: local head counts come from the (possibly sharded) weights, never from the config.
+        self.num_heads = attn.q_proj.weight.shape[0] // self.head_dim
+        self.num_kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
+        self.num_rep = self.num_heads // self.num_kv_heads
+        self.scale = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        self.vocab_size = hf.vocab_size
+        shape = (len(self.layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        self.sampler = Sampler(config.seed)
+        # NOTE: reused gather buffers; a fresh multi-MB tensor per layer costs page faults every step.
+        self._kbuf = torch.empty(0, dtype=self.dtype)
+        self._vbuf = torch.empty(0, dtype=self.dtype)
+
+    @staticmethod
+    def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
+        """K + V bytes one token takes over all layers (whole model, all ranks together)."""
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+        return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
+
+    # -- step --------------------------------------------------------------------------------
+    def execute(self, scheduler_output: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+        """Run one step. ``sample=False`` (TP ranks other than 0) runs the forward only."""
+        t0 = time.perf_counter()
+        self.sampler.drop(scheduler_output.finished_request_ids)
+        sampled: dict[str, int] = {}
+        if scheduler_output.chunks:
+            with torch.inference_mode():
+                step = self._prepare(scheduler_output.chunks)
+                logits = self._forward(step)
+                if sample and step.sample_chunks:
+                    cs = step.sample_chunks
+                    tokens = self.sampler.sample(logits, [c.request_id for c in cs], [c.sampling for c in cs],
+                                                 [c.num_output_tokens for c in cs])
+                    sampled = {c.request_id: t for c, t in zip(cs, tokens)}
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_s=time.perf_counter() - t0)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> _Step:
+        bs = self.block_size
+        # NOTE: one-token chunks first, so decode rows are one contiguous slice for batched attention.
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for c in decodes + prefills:
+            n = len(c.token_ids)
+            if c.start_pos + n > len(c.block_ids) * bs:
+                raise ValueError(f"{c.request_id}: positions up to {c.start_pos + n} exceed its "
+                                 f"{len(c.block_ids)} blocks of {bs} tokens")
+            ids.extend(c.token_ids)
+            for pos in range(c.start_pos, c.start_pos + n):
+                positions.append(pos)
+                slots.append(c.block_ids[pos // bs] * bs + pos % bs)
+            if c.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_chunks.append(c)
+        pos_t = torch.tensor(positions)
+        cos, sin = self.rotary(self.k_cache, pos_t[None])
+        decode_blocks = decode_mask = None
+        if decodes:
+            ctx = [c.start_pos + 1 for c in decodes]
+            nb = -(-max(ctx) // bs)
+            table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes]
+            decode_blocks = torch.tensor(table).view(-1)
+            decode_mask = (torch.arange(nb * bs)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]
+        plans: list[_Prefill] = []
+        row = len(decodes)
+        for c in prefills:
+            n = len(c.token_ids)
+            ctx = c.start_pos + n
+            if c.start_pos == 0:
+                plans.append(_Prefill(row, row + n, ctx, None, None))
+            else:
+                blocks = torch.tensor(c.block_ids[: -(-ctx // bs)])
+                q_pos = torch.arange(c.start_pos, ctx)
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+                plans.append(_Prefill(row, row + n, ctx, blocks, mask))
+            row += n
+        return _Step(
+            input_ids=torch.tensor(ids), slots=torch.tensor(slots),
+            cos=cos[0][:, None, :].to(self.dtype), sin=sin[0][:, None, :].to(self.dtype),
+            num_decode=len(decodes), decode_blocks=decode_blocks, decode_mask=decode_mask,
+            prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
+        )
+
+    def _forward(self, step: _Step) -> torch.Tensor:
+        """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""
+        T = step.input_ids.shape[0]
+        h = self.embed(step.input_ids)  # [T, hidden]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:  # Qwen3-style per-head norms before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = _rope(q, step.cos, step.sin)
+            k = _rope(k, step.cos, step.sin)
+            kc = self.k_cache[i]
+            vc = self.v_cache[i]
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            kc.view(flat).index_copy_(0, step.slots, k)
+            vc.view(flat).index_copy_(0, step.slots, v)
+            o = self._attention(q, k, v, kc, vc, step)
+            if i == last:
+                # NOTE: only the sampled rows feed the logits; skip the rest of the last layer for them.
+                if step.sample_rows.numel() == 0:  # same decision on every TP rank
+                    return h.new_empty(0, self.vocab_size)
+                o = o.index_select(0, step.sample_rows)
+                h = h.index_select(0, step.sample_rows)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # NOTE: [1, S, hidden]: DeepSpeed's sharded LM head slices its input as a 3-D tensor.
+        return self.lm_head(self.norm(h)[None])[0]
+
+    def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""
+        T = q.shape[0]
+        kvh, hd, rep = self.num_kv_heads, self.head_dim, self.num_rep
+        out = q.new_empty(T, self.num_heads, hd)
+        n = step.num_decode
+        if n:
+            # Grouped heads as the query axis: q [n, KVH, rep, D] against K [n, KVH, L, D], one SDPA.
+            kk, vv = self._gather(kc, vc, step.decode_blocks)
+            kk = kk.view(n, -1, kvh, hd).transpose(1, 2)
+            vv = vv.view(n, -1, kvh, hd).transpose(1, 2)
+            qd = q[:n].view(n, kvh, rep, hd)
+            od = F.scaled_dot_product_attention(qd, kk, vv, attn_mask=step.decode_mask, scale=self.scale)
+            out[:n] = od.reshape(n, self.num_heads, hd)
+        for p in step.prefills:
+            qs = q[p.start:p.end].transpose(0, 1)[None]
+            if p.block_ids is None:
+                ks = k[p.start:p.end].transpose(0, 1)[None]
+                vs = v[p.start:p.end].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                ks, vs = self._gather(kc, vc, p.block_ids)
+                ks = ks.view(-1, kvh, hd)[: p.ctx_tokens].transpose(0, 1)[None]
+                vs = vs.view(-1, kvh, hd)[: p.ctx_tokens].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
+            out[p.start:p.end] = o[0].transpose(0, 1)
+        return out.view(T, self.num_heads * hd)
+
+    def _gather(self, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies the named blocks of one layer into the reused buffers: ``[len(blocks), block, KVH, D]``."""
+        shape = (blocks.shape[0], *kc.shape[1:])
+        numel = shape[0] * kc[0].numel()
+        if self._kbuf.numel() < numel:
+            self._kbuf = torch.empty(numel, dtype=self.dtype)
+            self._vbuf = torch.empty(numel, dtype=self.dtype)
+        kout = self._kbuf[:numel].view(shape)
+        vout = self._vbuf[:numel].view(shape)
+        torch.index_select(kc, 0, blocks, out=kout)
+        torch.index_select(vc, 0, blocks, out=vout)
+        return kout, vout
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process; kept for the Runner contract."""
