@@ -71,10 +71,15 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, None))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Stop the engine loop; the engine and its runner stay usable."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+    def shutdown(self) -> None:
+        """Stop the loop and release the runner (rank processes, devices)."""
+        self.close()
         self.engine.shutdown()
 
     # -- engine thread -------------------------------------------------------------------
