@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
             runner.k_cache.normal_()
             runner.v_cache.normal_()
     try:
-        print(f"threads={torch.get_num_threads()} context_tokens={args.context_tokens} tp={args.tp}")
+        threads = runner.config.torch_threads if args.tp > 1 else torch.get_num_threads()
+        print(f"threads per rank={threads} context_tokens={args.context_tokens} tp={args.tp}")
         for b in args.batch:
             ms = bench_runner(runner, b, args.context_tokens, args.steps, args.warmup)
             line = f"batch {b:3d}: runner {ms:8.1f} ms/step  ({b / ms * 1000:7.1f} tok/s)"

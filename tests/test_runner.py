@@ -84,10 +84,14 @@ def play_engine(runner, seqs: list[Seq], max_new: int = NEW_TOKENS) -> dict[str,
 def runner():
     from app.engine.runner import HFRunner
 
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK)
+    # NOTE: one intra-op thread: these batches are tiny, and a second OpenMP thread stalls badly
+    # when other processes share the cores. torch's thread count is process-wide: restore it.
+    threads = torch.get_num_threads()
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
     r = HFRunner(config, config.kv_pool_blocks(1))
     yield r
     r.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ SmolLM2 has 9 query heads and 3 KV heads; AutoTP splits them by whole KV-head gr
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -34,14 +35,18 @@ def _seqs(prompts: list[list[int]]) -> list[Seq]:
 
 def test_tp2_matches_tp1_and_shuts_down_cleanly():
     from app.engine.runner import HFRunner
-    from app.engine.tp import TPRunner, _shm_path
+    from app.engine.tp import TPGroupError, TPRunner, _shm_path
 
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK)
+    import torch
+
+    threads = torch.get_num_threads()
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
     num_blocks = config.kv_pool_blocks(1)
     tp1 = HFRunner(config, num_blocks)
     prompts = _prompts(tp1.tokenizer)
     expected = play_engine(tp1, _seqs(prompts))
     del tp1
+    torch.set_num_threads(threads)
 
     tp2 = TPRunner(config.model_copy(update={"tensor_parallel_size": 2}), num_blocks)
     try:
@@ -53,6 +58,14 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly():
         with pytest.raises(ValueError, match="exceed"):
             tp2.execute(SchedulerOutput([bad]))
         assert play_engine(tp2, _seqs(prompts)[:1])["a"] == expected["a"]
+        # a rank that dies takes the group down cleanly, with a clear error
+        os.kill(tp2._procs[1].pid, signal.SIGKILL)
+        tp2._procs[1].join(10)
+        chunk = ScheduledChunk("y", prompts[0], 0, list(range(8)), True, GREEDY, 0)
+        with pytest.raises(TPGroupError, match="rank 1"):
+            tp2.execute(SchedulerOutput([chunk]))
+        with pytest.raises(TPGroupError):
+            tp2.execute(SchedulerOutput([chunk]))
     finally:
         tp2.shutdown()
     tp2.shutdown()  # idempotent

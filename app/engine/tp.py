@@ -204,8 +204,11 @@ class TPRunner(Runner):
         if self.broken:
             raise TPGroupError("the tensor-parallel group was shut down after an earlier failure")
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        for c in self._conns:
-            c.send_bytes(payload)
+        for rank, c in enumerate(self._conns):
+            try:
+                c.send_bytes(payload)
+            except OSError:
+                self._fail(f"rank {rank} is gone (exit code {self._procs[rank].exitcode})", [])
         replies = self._collect(None)
         return ModelRunnerOutput(sampled_token_ids=replies[0], step_s=time.perf_counter() - t0)
 
