@@ -171,8 +171,7 @@ class ReservePredicted(AllocationPolicy):
             # starts so the promised trajectory tracks the real one.
             self._anchored.add(rid)
             self._replan(req)
-        result = super().grow(req, num_new_tokens)
-        return result if result is Grow.OK else Grow.POOL_DRY
+        return super().grow(req, num_new_tokens)  # blocks on demand: OK or POOL_DRY
 
     def free(self, req: Request) -> None:
         super().free(req)
