@@ -47,7 +47,7 @@ class AllocationPolicy:
 
     # -- what a policy decides -------------------------------------------------------------
     def reservation_tokens(self, req: Request) -> int:
-        """Tokens to hold for ``req`` at admission (beyond what it is about to compute)."""
+        """Prompt + output tokens the policy plans for ``req`` (what it binds at admission if ``reserves``)."""
         raise NotImplementedError
 
     def rebound(self, req: Request) -> None:
@@ -86,9 +86,6 @@ class AllocationPolicy:
 
     def block_ids(self, req: Request) -> list[int]:
         return self._tables[req.request_id]
-
-    def held_tokens(self, req: Request) -> int:
-        return len(self._tables.get(req.request_id, ())) * self.pool.block_size_tokens
 
 
 class ReserveMax(AllocationPolicy):
