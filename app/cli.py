@@ -14,12 +14,13 @@ POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_sta
 def _env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline machine
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from app.prepare.run import prepare
 
-    summary = prepare(force=args.force)
+    summary = prepare(force=args.force, predictor=not args.no_predictor)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -44,12 +45,26 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         kv_tokens=args.kv_tokens,
         max_tokens=args.max_tokens,
         predictor=args.predictor,
+        bound_quantile=args.bound_quantile,
         sim=args.sim,
         tp=args.tp,
         repeats=args.repeats,
         scheduler=args.scheduler,
     )
     print_table(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench_predictor(args: argparse.Namespace) -> int:
+    from loadtests.predictor_speed import run
+
+    report = run(args.version, args.prompts, args.threads)
+    for row in report["results"]:
+        print(f"batch {row['batch_size']:>3}: {row['prompts_per_s']:>7} prompts/s ({row['ms_per_batch']} ms per batch)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -93,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="build the embedded model folder and the ShareGPT traces (idempotent)")
+    p = sub.add_parser("prepare", help="build the embedded model folder, the ShareGPT traces and a first length predictor (idempotent)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--no-predictor", action="store_true", help="skip training the first length predictor")
     p.set_defaults(func=cmd_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -109,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=32, help="requests replayed (default 32)")
     b.add_argument("--kv-tokens", type=int, default=4096, help="KV pool size in tokens (ignored with --sim)")
     b.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request (default 1024)")
-    b.add_argument("--predictor", default="oracle", help="oracle | max | an MLflow alias such as champion")
+    b.add_argument("--predictor", default="oracle",
+                   help="oracle | max | champion (the MLflow alias) | a registry version | a model directory")
+    b.add_argument("--bound-quantile", type=float,
+                   help="learned predictor: reserve up to this quantile of the predicted length distribution")
     b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
@@ -117,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the scheduler (default: fcfs for reserve_max/paged, offline for the others)")
     b.add_argument("--json", metavar="FILE", help="write the benchmark JSON here")
     b.set_defaults(func=cmd_bench_throughput)
+    bp = bench.add_parser("predictor", help="length predictor inference speed: prompts/s at batch 1 and 32")
+    bp.add_argument("--version", default="champion", help="champion, a registry version or a model directory")
+    bp.add_argument("--prompts", type=int, default=256, help="validation prompts to time (default 256)")
+    bp.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    bp.add_argument("--json", metavar="FILE")
+    bp.set_defaults(func=cmd_bench_predictor)
 
     g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
     g.add_argument("prompt")
@@ -127,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="serve_config.yaml to read the pool from (default: the repository's)")
     g.add_argument("--pool", default="online", choices=("online", "offline"), help="which pool's engine settings")
     g.set_defaults(func=cmd_generate)
+
+    from app.cli_predictor import add_parser as add_predictor_parser
+
+    add_predictor_parser(sub)
     return parser
 
 

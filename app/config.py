@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app import paths
+from predictor.retrain import RetrainPolicy
 
 
 class EngineConfig(BaseModel):
@@ -79,6 +80,25 @@ def load_pool_config(pool: str = "online", path: str | Path | None = None, **ove
     if pool not in pools:
         raise ValueError(f"{path}: no pool {pool!r}; pools defined: {sorted(pools)}")
     return EngineConfig(**{**(pools[pool] or {}), **overrides})
+
+
+class PredictorConfig(BaseModel):
+    """The length predictor that serves, and its retraining loop (``predictor:`` in serve_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field("champion", description="champion (the MLflow alias), a registry version, a model directory, or max.")
+    bound_quantile: float | None = Field(None, gt=0, le=1, description="Reserve up to this quantile of the predicted length distribution; empty: the version's own.")
+    timeout_ms: float = Field(500, gt=0, description="A prediction slower than this is abandoned: the request reserves for max_tokens (counted).")
+    poll_s: float = Field(30, gt=0, description="How often serving checks the registry for a newly promoted champion.")
+    retrain: RetrainPolicy = Field(default_factory=RetrainPolicy, description="When and how feedback retrains the predictor.")
+    retrain_enabled: bool = Field(True, description="Run the retraining trigger while serving.")
+
+
+def load_predictor_config(path: str | Path | None = None) -> PredictorConfig:
+    """The ``predictor:`` section of serve_config.yaml (defaults when absent)."""
+    path = Path(path) if path else DEFAULT_CONFIG_PATH
+    return PredictorConfig(**(load_yaml(path).get("predictor") or {}))
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -27,7 +27,8 @@ DEFAULT_SCHEDULER = {"reserve_max": "fcfs", "paged": "fcfs", "reserve_predicted"
 @dataclass(frozen=True)
 class BenchRequest:
     request_id: str
-    prompt: str
+    prompt: str  # chat-templated, what the engine runs
+    user: str  # the user's message, what the length predictor reads
     prompt_token_ids: list[int]
     output_tokens: int  # true length, capped at max_tokens: every request generates exactly this
 
@@ -44,20 +45,19 @@ def load_requests(n: int, max_tokens: int, tokenizer=None, split: str = "validat
     for i in range(n):
         rec = records[i % len(records)]  # the simulator may ask for more than the split holds
         ids = tokenizer.encode(rec.prompt, add_special_tokens=False) if tokenizer else [1] * rec.prompt_tokens
-        out.append(BenchRequest(f"{rec.id}-{i}", rec.prompt, ids, min(rec.output_tokens, max_tokens)))
+        out.append(BenchRequest(f"{rec.id}-{i}", rec.prompt, rec.user, ids, min(rec.output_tokens, max_tokens)))
     return out
 
 
-def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBuckets) -> LengthPredictor:
+def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBuckets,
+                   bound_quantile: float | None = None) -> LengthPredictor:
     if name == "oracle":
-        return OraclePredictor({r.prompt: r.output_tokens for r in requests}, buckets)
+        return OraclePredictor({r.user: r.output_tokens for r in requests}, buckets)
     if name == "max":
         return MaxPredictor(buckets)
-    try:
-        from predictor.registry import load_predictor  # the learned predictor (MLflow alias)
-    except ImportError:
-        raise ValueError(f"unknown predictor {name!r}: this build has 'oracle' and 'max'") from None
-    return load_predictor(name, buckets)
+    from predictor.pipeline import load_predictor  # the learned predictor (MLflow registry)
+
+    return load_predictor(name, buckets, bound_quantile=bound_quantile)
 
 
 def run_policy(
@@ -70,7 +70,7 @@ def run_policy(
 ) -> dict:
     """Replay ``requests`` (all arriving at t=0) through one engine; return one result row."""
     engine = LLMEngine(config, runner, num_blocks, tokenizer=None, predictor=predictor)
-    pred = predictor.predict([r.prompt for r in requests])
+    pred = predictor.predict([r.user for r in requests])
     t0 = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(
@@ -174,6 +174,7 @@ def run_benchmark(
     kv_tokens: int,
     max_tokens: int,
     predictor: str = "oracle",
+    bound_quantile: float | None = None,
     sim: str | None = None,
     tp: int = 1,
     repeats: int = 1,
@@ -194,7 +195,7 @@ def run_benchmark(
     try:
         requests = load_requests(num_requests, max_tokens, tokenizer)
         buckets = LengthBuckets(max_tokens=max_tokens, num_buckets=base.num_buckets)
-        pred = make_predictor(predictor, requests, buckets)
+        pred = make_predictor(predictor, requests, buckets, bound_quantile)
         ours = [p for p in policies if p not in PEERS]
         rows: dict[str, list[dict]] = {p: [] for p in policies}
         for rep in range(repeats):  # NOTE: interleaved, so drift on a noisy machine hits all alike
@@ -216,6 +217,8 @@ def run_benchmark(
             "kv_tokens": num_blocks * block_size_tokens,
             "max_tokens": max_tokens,
             "predictor": predictor,
+            "predictor_version": getattr(pred, "version", None),
+            "bound_quantile": getattr(pred, "bound_quantile", None),
             "sim": sim,
             "tp": tp,
             "repeats": repeats,

@@ -17,6 +17,8 @@ class LengthPrediction:
     buckets: list[int]
     probabilities: np.ndarray  # [n_prompts, num_buckets]
     bound_tokens: list[int]  # what the engine reserves for the output (a guess, not a length)
+    expected_tokens: list[float] | None = None  # the predicted mean length, when the predictor has one
+    scores: list[float] | None = None  # a ranking score (higher = longer), when the predictor has one
 
 
 class LengthPredictor:

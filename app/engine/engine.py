@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from app.engine.request import Request, RequestOutput, RequestStatus, Runner, Sa
 from app.engine.scheduler import make_scheduler
 from predictor.base import LengthPrediction, LengthPredictor, MaxPredictor
 from predictor.buckets import LengthBuckets
+
+logger = logging.getLogger(__name__)
+FINISH_REASONS = {"stopped": "stop", "length": "length", "aborted": "abort"}  # engine -> OpenAI words
 
 
 class RequestRejected(ValueError):
@@ -35,6 +39,7 @@ class EngineStats:
     kv_used_tokens: int
     num_waiting: int
     num_running: int
+    predictor_fallbacks: int = 0
 
 
 class LLMEngine:
@@ -47,12 +52,19 @@ class LLMEngine:
         num_blocks: int,
         tokenizer=None,
         predictor: LengthPredictor | None = None,
+        feedback=None,
     ) -> None:
+        """``feedback``: a ``predictor.feedback.FeedbackWriter``; every finished request that came
+        with its predictor text appends one record (the retraining loop's labels)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.buckets = LengthBuckets(max_tokens=config.default_max_tokens, num_buckets=config.num_buckets)
         self.predictor = predictor or MaxPredictor(self.buckets)
+        self._max_predictor = MaxPredictor(self.buckets)
+        self.predictor_fallbacks = 0
+        self.feedback = feedback
+        self._feedback_info: dict[str, tuple[str, str | None]] = {}
         self.pool = KVPool(num_blocks, config.block_size_tokens)
         self.policy = make_policy(config.allocation, self.pool, self.buckets, config.max_model_len_tokens)
         self._sim_clock_s = 0.0
@@ -63,7 +75,7 @@ class LLMEngine:
         self.output_tokens = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
         from transformers import AutoConfig
 
@@ -77,7 +89,7 @@ class LLMEngine:
             runner: Runner = TPRunner(config, num_blocks)
         else:
             runner = HFRunner(config, num_blocks)
-        return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor)
+        return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor, feedback=feedback)
 
     # -- time ------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -100,9 +112,13 @@ class LLMEngine:
         true_output_tokens: int | None = None,
         force_true_length: bool = False,
         detokenize: bool = True,
+        predictor_text: str | None = None,
+        predictor_version: str | None = None,
     ) -> Request:
         """Queue a request. ``prediction`` is (bucket, probabilities, bound_tokens); without it
-        the engine's predictor is asked (one prompt at a time: batch callers should pass it)."""
+        the engine's predictor is asked with ``predictor_text`` (the user's message; default the
+        prompt), one prompt at a time: batch callers should pass it. A failing predictor never
+        fails the request: it falls back to ``max`` reservation and is counted."""
         sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
         if prompt_token_ids is None:
             if prompt is None or self.tokenizer is None:
@@ -117,9 +133,10 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
                 f"exceeds this engine's limit of {limit} tokens"
             )
+        if predictor_text is None:
+            predictor_text = prompt
         if prediction is None:
-            pred: LengthPrediction = self.predictor.predict([prompt or ""])
-            prediction = (pred.buckets[0], pred.probabilities[0].tolist(), pred.bound_tokens[0])
+            prediction, predictor_version = self.predict(predictor_text or "")
         bucket, probs, bound_tokens = prediction
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
@@ -136,13 +153,52 @@ class LLMEngine:
             prompt=prompt,
         )
         self.scheduler.add(req)
+        if self.feedback is not None and predictor_text is not None:
+            self._feedback_info[req.request_id] = (predictor_text, predictor_version)
         if detokenize and self.tokenizer is not None:
             self._detok[req.request_id] = Detokenizer(self.tokenizer, sampling.stop)
         return req
 
+    def predict(self, text: str) -> tuple[tuple[int, list[float], int], str | None]:
+        """The engine's own predictor on one text: ((bucket, probs, bound), version)."""
+        try:
+            pred: LengthPrediction = self.predictor.predict([text])
+            version = getattr(self.predictor, "version", None)
+        except Exception:  # noqa: BLE001 - a broken predictor must not fail requests
+            logger.exception("length predictor failed; reserving for max_tokens")
+            self.predictor_fallbacks += 1
+            pred, version = self._max_predictor.predict([text]), "max-fallback"
+        return (pred.buckets[0], pred.probabilities[0].tolist(), pred.bound_tokens[0]), version
+
     def abort(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._record_feedback(req)
+        return req is not None
+
+    def _record_feedback(self, req: Request) -> None:
+        info = self._feedback_info.pop(req.request_id, None)
+        if info is None or self.feedback is None:
+            return
+        from predictor.feedback import FeedbackRecord
+
+        text, version = info
+        try:
+            self.feedback.append(FeedbackRecord(
+                request_id=req.request_id,
+                prompt=text,
+                predicted_bucket=req.predicted_bucket if req.predicted_bucket >= 0 else None,
+                predicted_bound_tokens=req.predicted_output_tokens,
+                output_tokens=req.num_output_tokens,
+                finish_reason=FINISH_REASONS.get(req.finish_reason or "", req.finish_reason or "unknown"),
+                tier=req.tier,
+                model_id=self.config.served_model_name,
+                predictor_version=version,
+                source="offline" if req.tier == "offline" else "online",
+            ))
+        except Exception:  # noqa: BLE001 - losing a label must not fail the request
+            logger.exception("could not write the feedback record of %s", req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -174,6 +230,7 @@ class LLMEngine:
                 text += detok.finish()
         if req.status.finished:
             self._detok.pop(req.request_id, None)
+            self._record_feedback(req)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=req.output_token_ids[-1:],
@@ -200,6 +257,7 @@ class LLMEngine:
             kv_used_tokens=self.pool.used_tokens,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
+            predictor_fallbacks=self.predictor_fallbacks,
         )
 
     def shutdown(self) -> None:

@@ -9,10 +9,11 @@ from app.prepare.model import ensure_model
 from app.prepare.traces import MANIFEST, SPLITS, ensure_traces
 
 
-def prepare(force: bool = False) -> dict:
-    """Build the model folder and the ShareGPT traces if absent (``force`` rebuilds the traces).
+def prepare(force: bool = False, predictor: bool = True) -> dict:
+    """Build the model folder and the ShareGPT traces if absent (``force`` rebuilds the traces),
+    then train, register and promote a first length predictor if MLflow has no champion.
 
-    Returns a summary: paths, per-split record counts and seconds spent.
+    Returns a summary: paths, per-split record counts, the predictor and seconds spent.
     """
     t0 = time.perf_counter()
     model_path = ensure_model()
@@ -20,10 +21,19 @@ def prepare(force: bool = False) -> dict:
     traces_path = ensure_traces(force=force)
     t2 = time.perf_counter()
     manifest = json.loads((traces_path / MANIFEST).read_text())
+    champion = None
+    if predictor:
+        from predictor import registry
+        from predictor.pipeline import ensure_champion
+
+        trained = ensure_champion()
+        champion = {"version": registry.champion_version(), "trained_now": trained}
+    t3 = time.perf_counter()
     return {
         "model_dir": str(model_path),
         "traces_dir": str(traces_path),
         "trace_files": {s: str(traces_path / f"{s}.jsonl") for s in SPLITS},
         "trace_counts": manifest["counts"],
-        "seconds": {"model": round(t1 - t0, 2), "traces": round(t2 - t1, 2)},
+        "predictor": champion,
+        "seconds": {"model": round(t1 - t0, 2), "traces": round(t2 - t1, 2), "predictor": round(t3 - t2, 2)},
     }

@@ -1,0 +1,156 @@
+"""`foreserve predictor train|eval|promote|list|retrain`: the length predictor and its MLflow registry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, default=str)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+        print(f"wrote {path}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from predictor.model import ModelSpec
+    from predictor.pipeline import QUICK_SPEC, QUICK_TRAIN, train_and_register
+    from predictor.train import TrainConfig
+
+    config = QUICK_TRAIN if args.quick else TrainConfig()
+    spec = QUICK_SPEC if args.quick else ModelSpec()
+    config = config.model_copy(update={k: v for k, v in {
+        "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed,
+    }.items() if v is not None})
+    spec = spec.model_copy(update={k: v for k, v in {
+        "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile,
+    }.items() if v is not None})
+    TrainConfig.model_validate(config.model_dump())  # re-validate the overrides
+    ModelSpec.model_validate(spec.model_dump())
+    summary = train_and_register(config, spec, promote=not args.no_promote,
+                                 extra_params={"recipe": "quick" if args.quick else "full"})
+    _write_json(args.json, summary)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from predictor.dataset import examples_hash, read_eval_file, selection_examples
+    from predictor.pipeline import load_predictor
+    from predictor.train import evaluate
+
+    examples = read_eval_file(Path(args.data)) if args.data else selection_examples()
+    predictor = load_predictor(args.version or "champion")
+    t0 = time.perf_counter()
+    metrics = evaluate(predictor, examples, args.bound_quantile)
+    elapsed_s = time.perf_counter() - t0
+    metrics.update(version=predictor.version, data=args.data or "sharegpt validation (deduplicated against train)",
+                   eval_set_hash=examples_hash(examples), prompts_per_s=round(len(examples) / elapsed_s, 1))
+    _write_json(args.json, metrics)
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from predictor import registry
+    from predictor.dataset import examples_hash, selection_examples
+    from predictor.pipeline import champion_metrics, load_predictor
+    from predictor.train import evaluate
+
+    if args.force:
+        registry.set_champion(args.version)
+        print(f"champion -> v{args.version} (forced, no gate)")
+        return 0
+    examples = selection_examples()
+    eval_hash = examples_hash(examples)
+    candidate = evaluate(load_predictor(args.version), examples)
+    accepted, reason = registry.promote_if_better(args.version, candidate, champion_metrics(examples, eval_hash), eval_hash)
+    print(f"{'promoted' if accepted else 'not promoted'} v{args.version}: {reason}")
+    return 0 if accepted else 1
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from predictor import registry
+
+    rows = registry.list_versions()
+    if args.json:
+        _write_json(args.json, {"versions": rows})
+        return 0
+    if not rows:
+        print("no versions of length-predictor yet: run `foreserve prepare` or `foreserve predictor train`")
+        return 0
+    print(f"{'version':>7}  {'aliases':<10} {'source':<9} {'exact':>6} {'±1':>6} {'tau':>6} {'mae':>7} {'under':>6}  gate")
+    for r in rows:
+        tags, m = r.get("tags", {}), r.get("metrics", {})
+
+        def f(key: str, fmt: str = ".3f") -> str:
+            value = m.get(key, tags.get(f"metric.{key}"))
+            return format(float(value), fmt) if value is not None else "-"
+
+        print(f"{r['version']:>7}  {','.join(r.get('aliases', [])):<10} {tags.get('source', '-'):<9} "
+              f"{f('exact_bucket_acc'):>6} {f('within1_bucket_acc'):>6} {f('kendall_tau'):>6} "
+              f"{f('mae_tokens', '.1f'):>7} {f('under_prediction_rate'):>6}  {tags.get('gate', '-')}")
+    return 0
+
+
+def cmd_retrain(args: argparse.Namespace) -> int:
+    from app.config import load_predictor_config
+    from predictor.retrain import retrain_from_feedback
+
+    if not args.from_feedback:
+        raise ValueError("say what to retrain from: --from-feedback (the only source so far)")
+    policy = load_predictor_config(args.config).retrain
+    policy = policy.model_validate({**policy.model_dump(), **{k: v for k, v in {
+        "epochs": args.epochs, "min_records": args.min_records}.items() if v is not None}})
+    _write_json(args.json, retrain_from_feedback(policy, force=args.force, promote=not args.no_promote))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    pred = sub.add_parser("predictor", help="train, evaluate and promote the output-length predictor (MLflow)")
+    ps = pred.add_subparsers(dest="predictor_command", required=True)
+
+    t = ps.add_parser("train", help="fine-tune on the ShareGPT train split, register in MLflow, gate and promote",
+                      description="Logs params and per-epoch metrics to MLflow (experiment length-predictor), "
+                      "registers a version, compares it with the champion on the same eval set and moves "
+                      "the champion alias only if it is better.")
+    t.add_argument("--quick", action="store_true", help="the few-minute recipe `foreserve prepare` uses")
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--max-examples", type=int, help="train on a seeded sample of this many examples")
+    t.add_argument("--max-input-tokens", type=int, help="encoder tokens per prompt (head + tail kept), <= 512")
+    t.add_argument("--bound-quantile", type=float, help="reservation bound quantile of the predicted distribution")
+    t.add_argument("--lr", type=float)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--no-promote", action="store_true", help="register only; leave the champion alias alone")
+    t.add_argument("--json", metavar="FILE", help="write the summary here")
+    t.set_defaults(func=cmd_train)
+
+    e = ps.add_parser("eval", help="score a version on a JSONL of {prompt, output_tokens} lines",
+                      description="Default data: the ShareGPT validation split minus prompts seen in train.")
+    e.add_argument("--data", metavar="FILE.jsonl")
+    e.add_argument("--version", help="registry version (default: the champion) or a model directory")
+    e.add_argument("--bound-quantile", type=float, help="override the version's reservation quantile")
+    e.add_argument("--json", metavar="OUT")
+    e.set_defaults(func=cmd_eval)
+
+    p = ps.add_parser("promote", help="gate a version against the champion and move the alias if it wins")
+    p.add_argument("version")
+    p.add_argument("--force", action="store_true", help="move the alias without the gate")
+    p.set_defaults(func=cmd_promote)
+
+    li = ps.add_parser("list", help="registered versions, newest first, with their metrics and aliases")
+    li.add_argument("--json", metavar="OUT")
+    li.set_defaults(func=cmd_list)
+
+    r = ps.add_parser("retrain", help="retrain from the engine's feedback records (S3's loop), gate, promote")
+    r.add_argument("--from-feedback", action="store_true", help="use the feedback store in the data dir")
+    r.add_argument("--force", action="store_true", help="retrain even if the trigger has not fired")
+    r.add_argument("--epochs", type=int)
+    r.add_argument("--min-records", type=int)
+    r.add_argument("--no-promote", action="store_true")
+    r.add_argument("--config", help="serve_config.yaml whose predictor.retrain policy applies (default: the repository's)")
+    r.add_argument("--json", metavar="OUT")
+    r.set_defaults(func=cmd_retrain)

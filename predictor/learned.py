@@ -1,0 +1,81 @@
+"""The learned predictor: a trained ``LengthModel`` behind the engine's ``LengthPredictor`` interface."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from predictor.base import LengthPrediction, LengthPredictor
+from predictor.buckets import LengthBuckets
+from predictor.model import LengthModel, ModelSpec, collate, encode_prompts
+
+
+def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bucket probabilities -> (argmax buckets, reservation bounds in tokens, expected tokens).
+
+    The bound is the upper edge of the first bucket where the predicted CDF reaches the quantile:
+    a higher quantile reserves more and preempts less."""
+    buckets = LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets)
+    q = spec.bound_quantile if bound_quantile is None else bound_quantile
+    argmax = probs.argmax(axis=1)
+    cdf = np.cumsum(probs, axis=1)
+    bound_buckets = np.minimum((cdf < q - 1e-6).sum(axis=1), spec.num_buckets - 1)
+    bounds = np.array([buckets.upper_bound_tokens(int(b)) for b in bound_buckets])
+    mids = (np.arange(spec.num_buckets) + 0.5) * buckets.width_tokens
+    return argmax, bounds, probs @ mids
+
+
+class LearnedPredictor(LengthPredictor):
+    """Batched, thread-safe inference; prompts are sorted by length so padding stays small."""
+
+    name = "learned"
+
+    def __init__(self, model: LengthModel, tokenizer, version: str = "local", batch_size: int = 32,
+                 bound_quantile: float | None = None, bf16: bool = True) -> None:
+        super().__init__(LengthBuckets(max_tokens=model.spec.max_tokens, num_buckets=model.spec.num_buckets))
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.spec = model.spec
+        self.version = version
+        self.batch_size = batch_size
+        self.bound_quantile = self.spec.bound_quantile if bound_quantile is None else bound_quantile
+        self.bf16 = bf16
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_dir(cls, directory: Path, version: str = "local", **kwargs) -> "LearnedPredictor":
+        model, tokenizer = LengthModel.load(directory)
+        return cls(model, tokenizer, version=version, **kwargs)
+
+    def infer(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket probabilities ``[n, num_buckets]`` and ranking scores ``[n]`` (higher = longer)."""
+        n = len(texts)
+        probs = np.zeros((n, self.spec.num_buckets), dtype=np.float32)
+        scores = np.zeros(n, dtype=np.float32)
+        if n == 0:
+            return probs, scores
+        ids = encode_prompts(self.tokenizer, [t or "" for t in texts], self.spec)
+        order = np.argsort([len(t) for t in ids], kind="stable")
+        with self._lock, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            for start in range(0, n, self.batch_size):
+                idx = order[start : start + self.batch_size]
+                input_ids, mask = collate([ids[i] for i in idx], self.tokenizer.pad_token_id)
+                logits, score = self.model(input_ids, mask)
+                probs[idx] = torch.softmax(logits.float(), dim=-1).numpy()
+                scores[idx] = score.float().numpy()
+        return probs, scores
+
+    def predict(self, prompts: Sequence[str]) -> LengthPrediction:
+        probs, scores = self.infer(prompts)
+        argmax, bounds, expected = decode(probs, self.spec, self.bound_quantile)
+        return LengthPrediction(
+            buckets=[int(b) for b in argmax],
+            probabilities=probs,
+            bound_tokens=[int(b) for b in bounds],
+            expected_tokens=[float(e) for e in expected],
+            scores=[float(s) for s in scores],
+        )

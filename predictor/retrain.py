@@ -1,0 +1,136 @@
+"""S3's fault handling, closed: the engine's real lengths retrain the predictor.
+
+A trigger fires every ``every_records`` new feedback records, or as soon as the recent
+misprediction rate passes a threshold. Retraining continues from the champion on the feedback
+(plus a sample of the original ShareGPT data, so it does not forget), is gated on a held-out slice
+of the feedback (the serving model's own lengths) and promoted if it wins. ``submit_retrain`` runs
+it as a Ray task, which the serving app calls on a timer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from predictor.buckets import LengthBuckets
+from predictor.dataset import Example, feedback_examples, trace_examples
+from predictor.feedback import FeedbackRecord, feedback_dir, scan_feedback
+
+logger = logging.getLogger(__name__)
+STATE_FILE = "retrain_state.json"
+
+
+class RetrainPolicy(BaseModel):
+    """When and how to retrain from feedback (``serve_config.yaml: predictor.retrain``)."""
+
+    every_records: int = Field(500, ge=1, description="Retrain after this many new usable feedback records.")
+    mispredict_rate: float = Field(0.5, gt=0, le=1, description="...or when this share of the recent window was mispredicted (bound too small, or off by more than one bucket).")
+    window_records: int = Field(200, ge=1, description="Size of the recent window for the misprediction rate.")
+    min_records: int = Field(50, ge=1, description="Never retrain on fewer new records than this.")
+    holdout_frac: float = Field(0.2, gt=0, lt=1, description="Share of feedback prompts held out to gate the candidate.")
+    original_examples: int = Field(2000, ge=0, description="ShareGPT train examples mixed in so the model keeps what it knew.")
+    epochs: int = Field(1, ge=1, description="Epochs over feedback + original examples.")
+    lr: float = Field(3e-5, gt=0, description="Encoder learning rate when continuing from the champion.")
+
+
+def is_holdout(text: str, frac: float) -> bool:
+    """Deterministic by prompt text, so one prompt never lands on both sides."""
+    return int(hashlib.sha1(text.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF < frac
+
+
+def mispredicted(record: FeedbackRecord, buckets: LengthBuckets) -> bool:
+    if record.predicted_bound_tokens is not None and record.output_tokens > record.predicted_bound_tokens:
+        return True
+    if record.predicted_bucket is None:
+        return False
+    return abs(buckets.bucket_of(min(record.output_tokens, buckets.max_tokens)) - record.predicted_bucket) > 1
+
+
+def _state_path(root: Path) -> Path:
+    return root / STATE_FILE
+
+
+def last_retrain_s(root: Path | None = None) -> float:
+    path = _state_path(root or feedback_dir())
+    try:
+        return float(json.loads(path.read_text())["last_retrain_s"])
+    except (OSError, ValueError, KeyError):
+        return 0.0
+
+
+def mark_retrained(root: Path | None = None, when_s: float | None = None) -> None:
+    root = root or feedback_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = _state_path(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"last_retrain_s": when_s if when_s is not None else time.time()}))
+    tmp.replace(_state_path(root))
+
+
+def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets: LengthBuckets) -> str | None:
+    """Why to retrain on these new records now, or None."""
+    usable = [r for r in records if r.finish_reason in ("stop", "length")]
+    if len(usable) < policy.min_records:
+        return None
+    if len(usable) >= policy.every_records:
+        return f"{len(usable)} new feedback records (every {policy.every_records})"
+    window = usable[-policy.window_records :]
+    rate = sum(mispredicted(r, buckets) for r in window) / len(window)
+    if rate > policy.mispredict_rate:
+        return f"misprediction rate {rate:.2f} over the last {len(window)} records > {policy.mispredict_rate}"
+    return None
+
+
+def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tokens: int) -> tuple[list[Example], list[Example]]:
+    examples = feedback_examples(records, max_tokens)
+    train = [e for e in examples if not is_holdout(e.text, policy.holdout_frac)]
+    holdout = [e for e in examples if is_holdout(e.text, policy.holdout_frac)]
+    return train, holdout
+
+
+def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
+                          promote: bool = True) -> dict:
+    """Check the trigger (unless ``force``), then retrain, register (``source=feedback``), gate
+    and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when nothing to do."""
+    from predictor import pipeline
+    from predictor.train import TrainConfig
+
+    policy = policy or RetrainPolicy()
+    root = root or feedback_dir()
+    since_s = 0.0 if force else last_retrain_s(root)
+    records, skipped = scan_feedback(root)
+    new = [r for r in records if r.timestamp_s > since_s]
+    champion = pipeline.load_predictor("champion")
+    spec = champion.spec
+    reason = "forced" if force else trigger_reason(new, policy, LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets))
+    if reason is None:
+        return {"retrained": False, "reason": f"trigger not met ({len(new)} new records)", "skipped_lines": skipped}
+    train, holdout = split_feedback(records, policy, spec.max_tokens)
+    if not train or len(holdout) < 5:
+        return {"retrained": False, "reason": f"too little usable feedback ({len(train)} train, {len(holdout)} held out)"}
+    original = trace_examples("train")
+    random.Random(0).shuffle(original)
+    mix = train + original[: policy.original_examples]
+    config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
+    started_s = time.time()
+    summary = pipeline.train_and_register(
+        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote,
+        init=(champion.model, champion.tokenizer),
+        extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": champion.version, "trigger": reason},
+    )
+    mark_retrained(root, started_s)
+    logger.info("retrained predictor: %s", summary)
+    return {"retrained": True, "reason": reason, "parent_version": champion.version, **summary}
+
+
+def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False):
+    """Run ``retrain_from_feedback`` as a Ray task (one CPU); returns its ObjectRef."""
+    import ray
+
+    task = ray.remote(num_cpus=1, max_retries=0)(retrain_from_feedback)
+    return task.remote(policy, root, force)

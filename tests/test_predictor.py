@@ -1,0 +1,194 @@
+"""The length predictor: buckets, decoding, metrics, input recipe, deterministic training, save/load,
+the engine's feedback hook and its fallback when the predictor breaks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from predictor.base import LengthPrediction, LengthPredictor
+from predictor.buckets import LengthBuckets
+from predictor.dataset import Example, feedback_examples, read_eval_file
+from predictor.feedback import FeedbackRecord, read_feedback
+from predictor.learned import LearnedPredictor, decode
+from predictor.metrics import score_predictions
+from predictor.model import LengthModel, ModelSpec, backbone_path, encode_prompts
+from predictor.retrain import RetrainPolicy, is_holdout, mispredicted, trigger_reason
+from predictor.train import TrainConfig, make_batches, train_model
+from tests.engine_helpers import make_engine, run_all
+
+B = LengthBuckets()  # 10 buckets of 102.4 tokens over 1024
+
+
+@pytest.mark.parametrize(
+    "tokens,bucket", [(0, 0), (1, 0), (102, 0), (103, 1), (512, 4), (513, 5), (1023, 9), (1024, 9), (1025, 9), (10**6, 9)]
+)
+def test_bucket_edges(tokens, bucket):
+    assert B.bucket_of(tokens) == bucket
+    if 0 < tokens <= B.max_tokens:
+        assert B.upper_bound_tokens(bucket) >= tokens
+
+
+def test_upper_bounds_are_integers_covering_the_range():
+    assert [B.upper_bound_tokens(b) for b in range(10)] == [102, 204, 307, 409, 512, 614, 716, 819, 921, 1024]
+
+
+def test_decode_bound_follows_the_quantile():
+    spec = ModelSpec()
+    probs = np.array([[0.5, 0.3, 0.2] + [0.0] * 7, [0.0] * 9 + [1.0], [0.1] * 10], dtype=np.float32)
+    argmax, bounds, expected = decode(probs, spec, 0.8)
+    assert argmax.tolist() == [0, 9, 0]
+    assert bounds.tolist() == [204, 1024, 819]  # cdf 0.5, 0.8 -> bucket 1; last; 8th bucket
+    assert decode(probs, spec, 0.5)[1].tolist() == [102, 1024, 512]
+    assert expected[1] == pytest.approx(9.5 * 102.4)
+
+
+def test_metrics_on_known_arrays():
+    true = np.array([10, 150, 300, 2000])  # buckets 0, 1, 2, 9 (2000 counts as 1024)
+    m = score_predictions(true, np.array([0, 2, 0, 9]), np.array([102, 204, 204, 1024]),
+                          np.array([10, 150, 300, 1024]), np.array([1.0, 2.0, 3.0, 4.0]), B)
+    assert m["n"] == 4
+    assert m["exact_bucket_acc"] == 0.5
+    assert m["within1_bucket_acc"] == 0.75
+    assert m["kendall_tau"] == pytest.approx(1.0)
+    assert m["mae_tokens"] == 0.0
+    assert m["under_prediction_rate"] == 0.25  # 300 > 204
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(backbone_path())
+
+
+def test_long_prompts_keep_head_and_tail(tokenizer):
+    spec = ModelSpec(max_input_tokens=32, head_tokens=10)
+    text = "start " + "filler " * 200 + "the final question"
+    ids = encode_prompts(tokenizer, [text, "short one"], spec)
+    assert len(ids[0]) == 32
+    assert ids[0][0] == tokenizer.cls_token_id and ids[0][-1] == tokenizer.sep_token_id
+    decoded = tokenizer.decode(ids[0][1:-1])
+    assert decoded.startswith("start filler") and decoded.endswith("the final question")
+    assert len(ids[1]) == 4
+
+
+def test_batches_cover_every_example_once_within_budget():
+    rng = np.random.default_rng(0)
+    lengths = list(rng.integers(3, 300, size=500))
+    batches = make_batches(lengths, batch_tokens=1024, max_batch_size=16, rng=rng)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(500))
+    for b in batches:
+        assert len(b) <= 16
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 1024
+
+
+TINY = [Example(f"question number {i} " + "word " * (i % 17), 20 + 37 * (i % 13)) for i in range(24)]
+TINY_CONFIG = TrainConfig(epochs=1, batch_tokens=256, max_batch_size=8, seed=7)
+TINY_SPEC = ModelSpec(max_input_tokens=32)
+
+
+def test_training_is_deterministic_and_save_load_round_trips(tmp_path):
+    torch.set_num_threads(1)
+    m1, tok, h1 = train_model(TINY, TINY[:8], TINY_SPEC, TINY_CONFIG)
+    m2, _, h2 = train_model(TINY, TINY[:8], TINY_SPEC, TINY_CONFIG)
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert h1 == [{**h2[0], "train_examples_per_s": h1[0]["train_examples_per_s"]}]
+    m3, _, _ = train_model(TINY, None, TINY_SPEC, TINY_CONFIG.model_copy(update={"seed": 8}))
+    assert not torch.equal(m3.bucket_head.weight, m1.bucket_head.weight)
+
+    m1.save(tmp_path / "m", tok)
+    loaded = LearnedPredictor.from_dir(tmp_path / "m", version="7")
+    direct = LearnedPredictor(m1, tok).predict([e.text for e in TINY[:5]])
+    again = loaded.predict([e.text for e in TINY[:5]])
+    assert loaded.version == "7" and loaded.spec == m1.spec
+    assert again.buckets == direct.buckets and again.bound_tokens == direct.bound_tokens
+    np.testing.assert_allclose(again.probabilities, direct.probabilities, atol=1e-6)
+    assert len(again.scores) == 5 and len(again.expected_tokens) == 5
+
+
+def test_corrupt_model_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ValueError, match="missing model.safetensors"):
+        LengthModel.load(tmp_path / "bad")
+    for name in ("model.safetensors", "predictor.json", "config.json"):
+        (tmp_path / "bad" / name).write_text("garbage")
+    with pytest.raises(ValueError, match="cannot load the length predictor"):
+        LengthModel.load(tmp_path / "bad")
+
+
+class BrokenPredictor(LengthPredictor):
+    name = "broken"
+
+    def predict(self, prompts) -> LengthPrediction:
+        raise RuntimeError("model weights are gone")
+
+
+def test_engine_falls_back_to_max_when_the_predictor_fails():
+    engine = make_engine(allocation="reserve_predicted", kv_tokens=512)
+    engine.predictor = BrokenPredictor(engine.buckets)
+    from app.engine.request import SamplingParams
+
+    req = engine.add_request([5] * 10, SamplingParams(max_tokens=40, ignore_eos=True), prompt="hello", request_id="r")
+    assert req.predicted_output_tokens == 40  # the max bound, clipped to max_tokens
+    assert engine.stats().predictor_fallbacks == 1
+    outs = run_all(engine)
+    assert outs["r"][-1].finished and outs["r"][-1].num_output_tokens == 40
+
+
+def test_engine_writes_one_feedback_record_per_finished_request(tmp_path):
+    from app.engine.request import SamplingParams
+    from predictor.feedback import FeedbackWriter
+
+    engine = make_engine(allocation="reserve_predicted", kv_tokens=512, eos_at={"eos": 7})
+    engine.feedback = FeedbackWriter(tmp_path)
+    engine.add_request([5] * 8, SamplingParams(max_tokens=30, ignore_eos=True), request_id="long",
+                       predictor_text="write a lot", prediction=(0, None, 10), predictor_version="3", tier="offline")
+    engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="eos", predictor_text="say hi",
+                       prediction=(0, None, 10), predictor_version="3")
+    engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="gone", predictor_text="bye",
+                       prediction=(0, None, 10))
+    engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="untracked")  # no predictor text
+    assert engine.abort("gone")
+    run_all(engine)
+    by_id = {r.request_id: r for r in read_feedback(tmp_path)}
+    assert sorted(by_id) == ["eos", "gone", "long"]
+    assert (by_id["long"].output_tokens, by_id["long"].finish_reason, by_id["long"].tier) == (30, "length", "offline")
+    assert by_id["long"].source == "offline" and by_id["long"].predictor_version == "3"
+    assert (by_id["eos"].output_tokens, by_id["eos"].finish_reason) == (7, "stop")  # EOS counted
+    assert by_id["eos"].predicted_bound_tokens == 10 and by_id["eos"].prompt == "say hi"
+    assert (by_id["gone"].output_tokens, by_id["gone"].finish_reason) == (0, "abort")
+
+
+def _record(i: int, out: int, bound: int | None, bucket: int | None, reason: str = "stop") -> FeedbackRecord:
+    return FeedbackRecord(request_id=str(i), prompt=f"p{i}", predicted_bucket=bucket, predicted_bound_tokens=bound,
+                          output_tokens=out, finish_reason=reason, tier="online", model_id="m", predictor_version="1")
+
+
+def test_feedback_labels_and_retrain_trigger():
+    recs = [_record(0, 50, 102, 0), _record(1, 300, 102, 0), _record(2, 1024, 1024, 9, "length"),
+            _record(3, 200, 1024, 9, "length"), _record(4, 5, 102, 0, "abort")]
+    assert [e.output_tokens for e in feedback_examples(recs, 1024)] == [50, 300, 1024]  # censored/aborted dropped
+    assert mispredicted(recs[1], B) and not mispredicted(recs[0], B)
+    policy = RetrainPolicy(every_records=10, min_records=4, window_records=4, mispredict_rate=0.5)
+    assert trigger_reason(recs[:3], policy, B) is None  # fewer than min_records
+    calm = [_record(i, 50, 102, 0) for i in range(6)]
+    assert trigger_reason(calm, policy, B) is None
+    assert "misprediction rate" in trigger_reason(calm + [_record(9, 900, 102, 0)] * 3, policy, B)
+    assert "new feedback records" in trigger_reason(calm * 2, policy, B)
+    assert is_holdout("same text", 0.2) == is_holdout("same text", 0.2)
+    assert 0.1 < np.mean([is_holdout(f"prompt {i}", 0.2) for i in range(2000)]) < 0.3
+
+
+def test_eval_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "output_tokens": 3}) + "\n" + '{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="eval.jsonl:2"):
+        read_eval_file(path)
+    with pytest.raises(FileNotFoundError):
+        read_eval_file(tmp_path / "nope.jsonl")

@@ -1,0 +1,100 @@
+"""Train → MLflow → champion → serve, on a private store: the CLI, the engine fallback, retraining
+from feedback (tiny data, real MiniLM backbone, real sqlite MLflow store)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+from app.cli import main
+from predictor import registry
+from predictor.base import MaxPredictor
+from predictor.dataset import Example
+from predictor.feedback import FeedbackRecord, FeedbackWriter
+from predictor.learned import LearnedPredictor
+from predictor.model import ModelSpec
+from predictor.pipeline import load_predictor, load_predictor_or_max, train_and_register
+from predictor.retrain import RetrainPolicy, retrain_from_feedback
+from predictor.train import TrainConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TRAIN = [Example(f"please write {'a long essay' if i % 2 else 'one word'} number {i}", 600 if i % 2 else 5) for i in range(32)]
+EVAL = TRAIN[:12]
+CONFIG = TrainConfig(epochs=1, batch_tokens=512, max_batch_size=16, seed=1)
+SPEC = ModelSpec(max_input_tokens=32)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    (home / "mlflow").mkdir(parents=True)
+    monkeypatch.setenv("FORESERVE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return home
+
+
+def test_train_register_promote_and_serve(home: Path, tmp_path: Path, capsys):
+    first = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    assert first["version"] == "1" and first["promoted"] and registry.champion_version() == "1"
+    run = MlflowClient().get_run(first["run_id"])
+    assert run.data.params["eval_set_hash"] == first["eval_set_hash"]
+    assert {"exact_bucket_acc", "within1_bucket_acc", "kendall_tau", "mae_tokens", "under_prediction_rate"} <= set(run.data.metrics)
+
+    # the alias resolves through MLflow's own URI scheme as well as through our loader
+    assert mlflow.artifacts.download_artifacts("models:/length-predictor@champion", dst_path=str(tmp_path / "dl"))
+    served = load_predictor("champion")
+    assert isinstance(served, LearnedPredictor) and served.version == "1"
+    assert len(served.predict(["hi", "write a story"]).bound_tokens) == 2
+
+    # the same recipe again ties the champion: the gate keeps v1
+    second = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    assert second["version"] == "2" and not second["promoted"] and registry.champion_version() == "1"
+
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": e.text, "output_tokens": e.output_tokens}) + "\n" for e in EVAL))
+    out = tmp_path / "eval.json"
+    assert main(["predictor", "eval", "--data", str(data), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["n"] == 12 and result["version"] == "1"
+    assert set(result) >= {"n", "exact_bucket_acc", "within1_bucket_acc", "kendall_tau", "mae_tokens", "under_prediction_rate"}
+    assert main(["predictor", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "champion" in listing and "rejected" in listing
+
+
+def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
+    with pytest.raises(registry.RegistryError, match="no champion"):
+        load_predictor("champion")
+    assert isinstance(load_predictor_or_max("champion"), MaxPredictor)
+    train_and_register(CONFIG, SPEC, train=TRAIN[:8], evalset=EVAL[:4])
+    for f in (home / "mlflow").rglob("model.safetensors"):
+        f.write_bytes(b"broken")
+    fallback = load_predictor_or_max("champion")
+    assert isinstance(fallback, MaxPredictor) and fallback.version == "max-fallback"
+    assert main(["predictor", "eval", "--data", "/nonexistent.jsonl"]) == 2
+
+
+def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("predictor.retrain.trace_examples", lambda split: list(TRAIN))  # the "original data"
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    policy = RetrainPolicy(min_records=10, every_records=20, original_examples=8, holdout_frac=0.3)
+    assert not retrain_from_feedback(policy)["retrained"]  # no feedback yet: the trigger does not fire
+    with FeedbackWriter() as writer:
+        for i in range(40):
+            long = i % 2 == 0
+            writer.append(FeedbackRecord(
+                request_id=f"r{i}", prompt=f"{'tell me everything about' if long else 'yes or no:'} topic {i}",
+                predicted_bucket=0, predicted_bound_tokens=102, output_tokens=800 if long else 3,
+                finish_reason="stop", tier="online", model_id="SmolLM2-135M-Instruct", predictor_version="1"))
+    result = retrain_from_feedback(policy)
+    assert result["retrained"] and result["version"] == "2" and result["parent_version"] == "1"
+    assert "new feedback records" in result["reason"]
+    info = registry.get_version_info("2")
+    assert info["tags"]["source"] == "feedback"
+    assert not retrain_from_feedback(policy)["retrained"]  # nothing new since
