@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-tokens", type=int, default=4096, help="KV pool size in tokens (ignored with --sim)")
     b.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request (default 1024)")
     b.add_argument("--predictor", default="oracle",
-                   help="oracle | max | champion (the MLflow alias) | a registry version | a model directory")
+                   help="oracle | max | champion (the MLflow alias) | a registry version | a model directory; "
+                   "NAME:Q sets the bound quantile; a comma list (champion,champion:0.9,oracle) adds a "
+                   "reserve_predicted@NAME row per further predictor, side by side")
     b.add_argument("--bound-quantile", type=float,
                    help="learned predictor: reserve up to this quantile of the predicted length distribution")
     b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")

@@ -104,8 +104,19 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         raise ValueError("say what to retrain from: --from-feedback (the only source so far)")
     policy = load_predictor_config(args.config).retrain
     policy = policy.model_validate({**policy.model_dump(), **{k: v for k, v in {
-        "epochs": args.epochs, "min_records": args.min_records}.items() if v is not None}})
+        "epochs": args.epochs, "min_records": args.min_records, "holdout_frac": args.holdout_frac,
+        "original_examples": args.original_examples}.items() if v is not None}})
     _write_json(args.json, retrain_from_feedback(policy, force=args.force, promote=not args.no_promote))
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from predictor.collect import collect_feedback
+
+    _write_json(args.json, collect_feedback(
+        args.prompts, split=args.split, offset=args.offset, max_tokens=args.max_tokens,
+        temperature=args.temperature, seed=args.seed, torch_threads=args.threads,
+    ))
     return 0
 
 
@@ -150,7 +161,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--force", action="store_true", help="retrain even if the trigger has not fired")
     r.add_argument("--epochs", type=int)
     r.add_argument("--min-records", type=int)
+    r.add_argument("--original-examples", type=int, help="ShareGPT examples mixed in (default from config)")
+    r.add_argument("--holdout-frac", type=float, help="share of feedback prompts held out to gate (default from config)")
     r.add_argument("--no-promote", action="store_true")
     r.add_argument("--config", help="serve_config.yaml whose predictor.retrain policy applies (default: the repository's)")
     r.add_argument("--json", metavar="OUT")
     r.set_defaults(func=cmd_retrain)
+
+    c = ps.add_parser("collect", help="run trace prompts through the real engine (natural EOS) to fill the feedback store",
+                      description="What serving does for every request, offline: the champion predicts, the engine "
+                      "generates until EOS or max_tokens, and each finished request appends a feedback record "
+                      "carrying the serving model's own length.")
+    c.add_argument("--prompts", type=int, default=200, help="how many trace prompts (default 200)")
+    c.add_argument("--split", choices=("train", "validation"), default="validation")
+    c.add_argument("--offset", type=int, default=0, help="skip this many prompts of the split")
+    c.add_argument("--max-tokens", type=int, default=1024)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, help="torch threads of the engine")
+    c.add_argument("--json", metavar="OUT")
+    c.set_defaults(func=cmd_collect)

@@ -51,6 +51,10 @@ def load_requests(n: int, max_tokens: int, tokenizer=None, split: str = "validat
 
 def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBuckets,
                    bound_quantile: float | None = None) -> LengthPredictor:
+    """``oracle`` | ``max`` | ``champion`` | a version | a directory; ``NAME:Q`` sets the bound quantile."""
+    if ":" in name and name.rsplit(":", 1)[1].replace(".", "", 1).isdigit():
+        name, q = name.rsplit(":", 1)
+        bound_quantile = float(q)
     if name == "oracle":
         return OraclePredictor({r.user: r.output_tokens for r in requests}, buckets)
     if name == "max":
@@ -67,8 +71,11 @@ def run_policy(
     requests: list[BenchRequest],
     predictor: LengthPredictor,
     label: str = "",
+    name: str | None = None,
 ) -> dict:
-    """Replay ``requests`` (all arriving at t=0) through one engine; return one result row."""
+    """Replay ``requests`` (all arriving at t=0) through one engine; return one result row
+    (``name`` labels the row; default the allocation policy)."""
+    name = name or config.allocation
     engine = LLMEngine(config, runner, num_blocks, tokenizer=None, predictor=predictor)
     pred = predictor.predict([r.user for r in requests])
     t0 = time.perf_counter()
@@ -76,7 +83,7 @@ def run_policy(
         engine.add_request(
             prompt_token_ids=r.prompt_token_ids,
             sampling=SamplingParams(max_tokens=config.default_max_tokens, temperature=0.0, ignore_eos=True),
-            request_id=f"{label}{config.allocation}-{r.request_id}",
+            request_id=f"{label}{name}-{r.request_id}",
             prompt=r.prompt,
             prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
             true_output_tokens=r.output_tokens,
@@ -84,16 +91,16 @@ def run_policy(
             detokenize=False,
         )
     total = sum(r.output_tokens for r in requests)
-    with tqdm(total=total, desc=f"{config.allocation:>17}", unit="tok", leave=False, mininterval=2.0) as bar:
+    with tqdm(total=total, desc=f"{name:>17}", unit="tok", leave=False, mininterval=2.0) as bar:
         while engine.has_unfinished_requests():
             bar.update(len(engine.step()))
     real_wall_s = time.perf_counter() - t0
     stats = engine.stats()
     if stats.output_tokens != total:
-        raise RuntimeError(f"{config.allocation}: generated {stats.output_tokens} tokens, expected {total}")
+        raise RuntimeError(f"{name}: generated {stats.output_tokens} tokens, expected {total}")
     wall_s = stats.forward_s if runner.simulated else real_wall_s
     return {
-        "policy": config.allocation,
+        "policy": name,
         "scheduler": config.scheduler,
         "wall_s": round(wall_s, 4),
         "output_tokens": stats.output_tokens,
@@ -152,13 +159,15 @@ def ratios(results: list[dict]) -> dict:
     tps = {r["policy"]: r["output_tokens_per_s"] for r in results}
     rec = {r["policy"]: r["recomputed_tokens"] for r in results}
     out = {}
-    ours = [p for p in tps if p not in PEERS and p != "oracle"]
+    ours = [p for p in tps if p not in PEERS and p != "oracle" and "@" not in p]
     if "reserve_predicted" in tps:
         for other in ("reserve_max", "paged", "oracle"):
             if other in tps:
                 out[f"reserve_predicted_vs_{other}"] = round(tps["reserve_predicted"] / tps[other], 3)
         if "paged" in rec:
             out["recomputed_tokens_vs_paged"] = round(rec["reserve_predicted"] / max(rec["paged"], 1), 3)
+        for other in (p for p in tps if p.startswith("reserve_predicted@")):
+            out[f"reserve_predicted_vs_{other}"] = round(tps["reserve_predicted"] / tps[other], 3)
     if ours:
         best = max(ours, key=tps.get)
         out["best_policy"] = best
@@ -195,14 +204,24 @@ def run_benchmark(
     try:
         requests = load_requests(num_requests, max_tokens, tokenizer)
         buckets = LengthBuckets(max_tokens=max_tokens, num_buckets=base.num_buckets)
-        pred = make_predictor(predictor, requests, buckets, bound_quantile)
+        # NOTE: "champion,oracle" runs reserve_predicted with the champion (row reserve_predicted)
+        # and again with each further predictor (row reserve_predicted@oracle), side by side.
+        names = [p.strip() for p in predictor.split(",") if p.strip()]
+        preds = {n: make_predictor(n, requests, buckets, bound_quantile) for n in names}
+        pred = preds[names[0]]
+        extra = [f"reserve_predicted@{n}" for n in names[1:]] if "reserve_predicted" in policies else []
         ours = [p for p in policies if p not in PEERS]
-        rows: dict[str, list[dict]] = {p: [] for p in policies}
+        rows: dict[str, list[dict]] = {p: [] for p in [*policies, *extra]}
         for rep in range(repeats):  # NOTE: interleaved, so drift on a noisy machine hits all alike
             for policy in ours:
                 config = base.model_copy(update={"allocation": policy, "scheduler": scheduler or DEFAULT_SCHEDULER[policy]})
                 rows[policy].append(run_policy(config, runner, num_blocks, requests, pred, label=f"{rep}-"))
                 tqdm.write(f"[{rep + 1}/{repeats}] {policy}: {rows[policy][-1]['output_tokens_per_s']} tok/s")
+            for row_name in extra:
+                config = base.model_copy(update={"allocation": "reserve_predicted", "scheduler": scheduler or DEFAULT_SCHEDULER["reserve_predicted"]})
+                rows[row_name].append(run_policy(config, runner, num_blocks, requests, preds[row_name.split("@", 1)[1]],
+                                                 label=f"{rep}-", name=row_name))
+                tqdm.write(f"[{rep + 1}/{repeats}] {row_name}: {rows[row_name][-1]['output_tokens_per_s']} tok/s")
             for peer in (p for p in policies if p in PEERS):
                 from loadtests.hf_peers import run_peer
 
@@ -210,7 +229,7 @@ def run_benchmark(
                 tqdm.write(f"[{rep + 1}/{repeats}] {peer}: {rows[peer][-1]['output_tokens_per_s']} tok/s")
     finally:
         runner.shutdown()
-    results = [median_rows(rows[p]) for p in policies]
+    results = [median_rows(rows[p]) for p in rows]
     return {
         "config": {
             "requests": num_requests,

@@ -35,7 +35,7 @@ class LearnedPredictor(LengthPredictor):
     name = "learned"
 
     def __init__(self, model: LengthModel, tokenizer, version: str = "local", batch_size: int = 32,
-                 bound_quantile: float | None = None, bf16: bool = True) -> None:
+                 bound_quantile: float | None = None, bf16: bool = True, max_batch_tokens: int = 2048) -> None:
         super().__init__(LengthBuckets(max_tokens=model.spec.max_tokens, num_buckets=model.spec.num_buckets))
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -44,6 +44,7 @@ class LearnedPredictor(LengthPredictor):
         self.batch_size = batch_size
         self.bound_quantile = self.spec.bound_quantile if bound_quantile is None else bound_quantile
         self.bf16 = bf16
+        self.max_batch_tokens = max_batch_tokens
         self._lock = threading.Lock()
 
     @classmethod
@@ -59,15 +60,26 @@ class LearnedPredictor(LengthPredictor):
         if n == 0:
             return probs, scores
         ids = encode_prompts(self.tokenizer, [t or "" for t in texts], self.spec)
-        order = np.argsort([len(t) for t in ids], kind="stable")
         with self._lock, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            for start in range(0, n, self.batch_size):
-                idx = order[start : start + self.batch_size]
+            for idx in self._micro_batches([len(t) for t in ids]):
                 input_ids, mask = collate([ids[i] for i in idx], self.tokenizer.pad_token_id)
                 logits, score = self.model(input_ids, mask)
                 probs[idx] = torch.softmax(logits.float(), dim=-1).numpy()
                 scores[idx] = score.float().numpy()
         return probs, scores
+
+    def _micro_batches(self, lengths: list[int]) -> list[np.ndarray]:
+        """Length-sorted micro-batches of at most ``batch_size`` prompts and ``max_batch_tokens``
+        padded tokens: one long prompt must not make 31 short ones pay for its padding."""
+        order = np.argsort(lengths, kind="stable")
+        batches, start = [], 0
+        for end in range(1, len(order) + 1):
+            width = lengths[order[end - 1]]
+            if end - start > self.batch_size or (end - start > 1 and width * (end - start) > self.max_batch_tokens):
+                batches.append(order[start : end - 1])
+                start = end - 1
+        batches.append(order[start:])
+        return batches
 
     def predict(self, prompts: Sequence[str]) -> LengthPrediction:
         probs, scores = self.infer(prompts)

@@ -104,8 +104,9 @@ def train_and_register(
     summary = {"version": version, "run_id": run_id, "metrics": final, "eval_set_hash": eval_hash,
                "train_s": round(time.perf_counter() - t0, 1), "promoted": False, "gate": "not run"}
     if promote:
-        accepted, reason = registry.promote_if_better(version, final, champion_metrics(evalset, eval_hash), eval_hash)
-        summary.update(promoted=accepted, gate=reason)
+        incumbent = champion_metrics(evalset, eval_hash)
+        accepted, reason = registry.promote_if_better(version, final, incumbent, eval_hash)
+        summary.update(promoted=accepted, gate=reason, champion_metrics=incumbent)
     return summary
 
 

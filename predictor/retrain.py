@@ -113,7 +113,7 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     train, holdout = split_feedback(records, policy, spec.max_tokens)
     if not train or len(holdout) < 5:
         return {"retrained": False, "reason": f"too little usable feedback ({len(train)} train, {len(holdout)} held out)"}
-    original = trace_examples("train")
+    original = trace_examples("train") if policy.original_examples else []
     random.Random(0).shuffle(original)
     mix = train + original[: policy.original_examples]
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)

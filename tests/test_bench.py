@@ -40,6 +40,18 @@ def test_sim_benchmark_contract_and_ordering():
     assert rows["reserve_predicted"]["output_tokens_per_s"] > 2 * rows["reserve_max"]["output_tokens_per_s"]
 
 
+def test_several_predictors_run_side_by_side():
+    report = run_benchmark(["reserve_max", "reserve_predicted"], num_requests=200, kv_tokens=4096, max_tokens=2048,
+                           sim="H100-80G:llama-3-70b", tp=2, predictor="oracle,max,oracle:0.5")
+    rows = {r["policy"]: r for r in report["results"]}
+    assert set(rows) == {"reserve_max", "reserve_predicted", "reserve_predicted@max", "reserve_predicted@oracle:0.5"}
+    assert len({r["output_tokens"] for r in rows.values()}) == 1  # same useful tokens everywhere
+    # reserve_predicted with no prediction reserves like reserve_max: no batch gain
+    assert rows["reserve_predicted"]["mean_running_batch"] > 1.5 * rows["reserve_predicted@max"]["mean_running_batch"]
+    assert report["ratios"]["reserve_predicted_vs_reserve_predicted@max"] > 1.5
+    assert report["ratios"]["best_policy"] == "reserve_predicted"
+
+
 @pytest.mark.model
 def test_real_model_benchmark_writes_the_json_contract(tmp_path, capsys):
     out = tmp_path / "bench.json"

@@ -192,3 +192,16 @@ def test_eval_file_errors_name_the_line(tmp_path):
         read_eval_file(path)
     with pytest.raises(FileNotFoundError):
         read_eval_file(tmp_path / "nope.jsonl")
+
+
+def test_micro_batches_bound_padding_and_cover_everything():
+    class Stub(LearnedPredictor):
+        def __init__(self):
+            self.batch_size, self.max_batch_tokens = 4, 100
+
+    lengths = [10, 500, 12, 11, 13, 9, 50, 49]
+    batches = Stub()._micro_batches(lengths)
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    for b in batches:
+        assert len(b) <= 4 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 100)
+    assert [1] in [list(b) for b in batches]  # the long prompt runs alone

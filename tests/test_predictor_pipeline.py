@@ -98,3 +98,26 @@ def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypa
     info = registry.get_version_info("2")
     assert info["tags"]["source"] == "feedback"
     assert not retrain_from_feedback(policy)["retrained"]  # nothing new since
+
+
+@pytest.mark.slow
+def test_retrain_runs_as_a_ray_task(home: Path):
+    import ray
+
+    from predictor.retrain import submit_retrain
+
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    with FeedbackWriter() as writer:
+        for i in range(30):
+            writer.append(FeedbackRecord(request_id=f"r{i}", prompt=f"question {i} " + "more " * (i % 5),
+                                         output_tokens=50 + 30 * (i % 5), finish_reason="stop", tier="online",
+                                         model_id="m", predictor_version="1"))
+    env = {"FORESERVE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
+    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        policy = RetrainPolicy(min_records=10, every_records=20, original_examples=0, holdout_frac=0.3)
+        result = ray.get(submit_retrain(policy), timeout=300)
+    finally:
+        ray.shutdown()
+    assert result["retrained"] and result["version"] == "2"
+    assert registry.get_version_info("2")["tags"]["source"] == "feedback"

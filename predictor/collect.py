@@ -1,0 +1,69 @@
+"""Collect feedback from the real serving model: run trace prompts through the engine with natural
+EOS (no forced lengths) so the feedback store holds the model's *own* output lengths."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.engine.request import SamplingParams
+
+
+def collect_feedback(
+    num_prompts: int,
+    split: str = "validation",
+    offset: int = 0,
+    max_tokens: int = 1024,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    kv_cache_tokens: int = 16384,
+    torch_threads: int | None = None,
+) -> dict:
+    """Generate answers for ``num_prompts`` trace prompts on the offline engine configuration
+    (``reserve_predicted`` + ``offline``, the champion predicting); every finished request appends
+    its feedback record. Returns counts and throughput."""
+    from app.prepare.traces import load_trace
+    from predictor.feedback import FeedbackWriter
+    from predictor.pipeline import load_predictor_or_max
+
+    records = load_trace(split)[offset : offset + num_prompts]
+    if not records:
+        raise ValueError(f"no {split} prompts at offset {offset}")
+    config = EngineConfig(
+        allocation="reserve_predicted", scheduler="offline", kv_cache_tokens=kv_cache_tokens,
+        default_max_tokens=max_tokens, max_model_len_tokens=max_tokens + 1024, torch_threads=torch_threads,
+    )
+    predictor = load_predictor_or_max("champion")
+    with FeedbackWriter() as writer:
+        engine = LLMEngine.from_config(config, predictor=predictor, feedback=writer)
+        try:
+            pred = predictor.predict([r.user for r in records])
+            for i, rec in enumerate(records):
+                engine.add_request(
+                    prompt=rec.prompt,
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + offset + i),
+                    request_id=f"collect-{split}-{rec.id}",
+                    tier="offline",
+                    prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
+                    predictor_text=rec.user,
+                    predictor_version=getattr(predictor, "version", None),
+                    detokenize=False,
+                )
+            with tqdm(total=len(records), desc="collect feedback", unit="req") as bar:
+                while engine.has_unfinished_requests():
+                    done = sum(o.finished for o in engine.step())
+                    bar.update(done)
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+    return {
+        "requests": len(records),
+        "feedback_file": str(writer.path),
+        "output_tokens": stats.output_tokens,
+        "wall_s": round(stats.wall_s, 1),
+        "output_tokens_per_s": round(stats.output_tokens / max(stats.wall_s, 1e-9), 1),
+        "preemptions": stats.preemptions,
+        "predictor_version": getattr(predictor, "version", None),
+    }
