@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare run test test-fast bench bench-sim clean
+.PHONY: install prepare run test test-fast bench bench-sim bench-predictor clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench: prepare
 bench-sim: install
 	$(VENV)/bin/foreserve bench throughput --sim H100-80G:llama-3-70b --tp 2 --requests 2000 --max-tokens 2048 \
 		--policies reserve_max,paged,reserve_predicted,oracle --json reports/sim_h100_70b.json
+
+bench-predictor: prepare
+	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
+		--policies reserve_max,reserve_predicted,oracle --predictor champion,oracle --json reports/throughput_champion.json
+	$(VENV)/bin/foreserve bench predictor --json reports/predictor_speed.json
 
 clean:
 	rm -rf $(VENV) reports
