@@ -1,0 +1,1 @@
+"""OpenAI-compatible request/response schemas and the error shape (no FastAPI or Ray here)."""

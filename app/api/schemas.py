@@ -1,0 +1,171 @@
+"""The subset of OpenAI's chat completions API that foreserve serves, validated with pydantic.
+
+Unknown fields are accepted and ignored (clients send many); values we cannot honour (n > 1,
+non-text content) are rejected with a clear message rather than silently changed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# service_tier -> pool. OpenAI's own names: "flex" is its cheaper, slower tier.
+TIER_TO_POOL = {None: "online", "auto": "online", "default": "online", "priority": "online", "flex": "offline"}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, description="Served model id (see GET /v1/models).")
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far; at least one message.")
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    service_tier: Literal["auto", "default", "priority", "flex"] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported; send separate requests")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
+
+    @field_validator("messages")
+    @classmethod
+    def _has_user(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.role == "user" and m.text.strip() for m in messages):
+            raise ValueError("messages must contain a non-empty user message")
+        return messages
+
+    @property
+    def pool(self) -> str:
+        """``online`` (default/priority) or ``offline`` (flex)."""
+        return TIER_TO_POOL[self.service_tier]
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def predictor_text(self) -> str:
+        """What the length predictor reads: the last user message."""
+        return next(m.text for m in reversed(self.messages) if m.role == "user" and m.text.strip())
+
+    def chat_messages(self) -> list[dict]:
+        """Messages as the tokenizer's chat template wants them (developer -> system)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    service_tier: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event; the usage-only chunk has ``choices == []`` (OpenAI's include_usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    service_tier: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "foreserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
