@@ -1,0 +1,56 @@
+"""The shared predictor deployment: champion hot swap without Ray, then batched calls on real Ray Serve."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from deployments.predictor import LengthPredictorServer
+from predictor import registry
+from predictor.pipeline import train_and_register
+from tests.test_predictor_pipeline import CONFIG, EVAL, SPEC, TRAIN, home  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_fallback_then_hot_swap_to_each_new_champion(home: Path):  # noqa: F811
+    server = LengthPredictorServer({"poll_s": 3600})  # polled by hand below
+    try:
+        assert server.version == "max-fallback"
+        assert server.predict_batch(["hi"])[0]["bound_tokens"] == 1024  # no champion: reserve max
+        train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+        assert server.refresh() and server.version == "1" and server.swaps == 1
+        assert not server.refresh()  # nothing new
+        out = server.predict_batch(["say yes", "write a long essay about the sea"])
+        assert [o["version"] for o in out] == ["1", "1"] and len(out[0]["probabilities"]) == 10
+        train_and_register(CONFIG, SPEC, train=TRAIN[:16], evalset=EVAL, promote=False)
+        registry.set_champion("2")
+        assert server.refresh() and server.version == "2"
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_serve_deployment_batches_and_reports_its_version(home: Path):  # noqa: F811
+    import ray
+    from ray import serve
+
+    from deployments.predictor import PredictorDeployment
+
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    env = {"FORESERVE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        handle = serve.run(PredictorDeployment.bind({"poll_s": 3600}), name="predictor-test", route_prefix=None)
+
+        async def burst() -> list[dict]:
+            return await asyncio.gather(*(handle.predict.remote(f"question {i}") for i in range(20)))
+
+        results = asyncio.run(burst())
+        assert len(results) == 20 and {r["version"] for r in results} == {"1"}
+        assert handle.info.remote().result()["version"] == "1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
