@@ -22,16 +22,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from predictor.pipeline import QUICK_SPEC, QUICK_TRAIN, train_and_register
     from predictor.train import TrainConfig
 
-    config = QUICK_TRAIN if args.quick else TrainConfig()
-    spec = QUICK_SPEC if args.quick else ModelSpec()
-    config = config.model_copy(update={k: v for k, v in {
-        "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed,
-    }.items() if v is not None})
-    spec = spec.model_copy(update={k: v for k, v in {
-        "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile,
-    }.items() if v is not None})
-    TrainConfig.model_validate(config.model_dump())  # re-validate the overrides
-    ModelSpec.model_validate(spec.model_dump())
+    def merged(base, overrides: dict):  # validated, unlike model_copy(update=...)
+        return type(base).model_validate({**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
+
+    config = merged(QUICK_TRAIN if args.quick else TrainConfig(), {
+        "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed})
+    spec = merged(QUICK_SPEC if args.quick else ModelSpec(), {
+        "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile})
     summary = train_and_register(config, spec, promote=not args.no_promote,
                                  extra_params={"recipe": "quick" if args.quick else "full"})
     _write_json(args.json, summary)

@@ -17,7 +17,7 @@ from ray import serve
 
 from app.config import load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.engine import LLMEngine
+from app.engine.engine import FINISH_REASONS, LLMEngine
 from app.engine.request import SamplingParams
 
 
@@ -62,7 +62,7 @@ class EngineServer:
                 "request_id": out.request_id,
                 "text": out.text_delta,
                 "finished": out.finished,
-                "finish_reason": {"stopped": "stop", "length": "length"}.get(out.finish_reason or "", out.finish_reason),
+                "finish_reason": FINISH_REASONS.get(out.finish_reason or "", out.finish_reason),
                 "prompt_tokens": out.num_prompt_tokens,
                 "completion_tokens": out.num_output_tokens,
             }

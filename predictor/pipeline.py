@@ -25,13 +25,14 @@ QUICK_TRAIN = TrainConfig(epochs=1, max_train_examples=4000)
 QUICK_SPEC = ModelSpec(max_input_tokens=256)
 
 
-def load_predictor(name: str = "champion", buckets: LengthBuckets | None = None, **kwargs) -> LengthPredictor:
+def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, **kwargs) -> LengthPredictor:
     """``champion`` (the MLflow alias), a registry version number, a local model directory or
     ``max``. Raises ``registry.RegistryError``/``ValueError`` with a clear message."""
     if name == "max":
         return MaxPredictor(buckets)
     if Path(name).is_dir():
         return LearnedPredictor.from_dir(Path(name), version=f"dir:{name}", **kwargs)
+    name = str(name)
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
     directory, version = registry.download_version(None if name == "champion" else name)

@@ -97,7 +97,8 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
                           promote: bool = True) -> dict:
     """Check the trigger (unless ``force``), then retrain, register (``source=feedback``), gate
     and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when nothing to do."""
-    from predictor import pipeline
+    from predictor import pipeline, registry
+    from predictor.model import META, ModelSpec
     from predictor.train import TrainConfig
 
     policy = policy or RetrainPolicy()
@@ -105,8 +106,8 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     since_s = 0.0 if force else last_retrain_s(root)
     records, skipped = scan_feedback(root)
     new = [r for r in records if r.timestamp_s > since_s]
-    champion = pipeline.load_predictor("champion")
-    spec = champion.spec
+    directory, version = registry.download_version()  # cached: no weights loaded unless we retrain
+    spec = ModelSpec.model_validate_json((directory / META).read_text())
     reason = "forced" if force else trigger_reason(new, policy, LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets))
     if reason is None:
         return {"retrained": False, "reason": f"trigger not met ({len(new)} new records)", "skipped_lines": skipped}
@@ -116,16 +117,17 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     original = trace_examples("train") if policy.original_examples else []
     random.Random(0).shuffle(original)
     mix = train + original[: policy.original_examples]
+    champion = pipeline.load_predictor(directory)
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
     started_s = time.time()
     summary = pipeline.train_and_register(
         config, spec, train=mix, evalset=holdout, source="feedback", promote=promote,
         init=(champion.model, champion.tokenizer),
-        extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": champion.version, "trigger": reason},
+        extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": version, "trigger": reason},
     )
     mark_retrained(root, started_s)
     logger.info("retrained predictor: %s", summary)
-    return {"retrained": True, "reason": reason, "parent_version": champion.version, **summary}
+    return {"retrained": True, "reason": reason, "parent_version": version, **summary}
 
 
 def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False):
