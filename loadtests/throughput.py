@@ -209,18 +209,15 @@ def run_benchmark(
         names = [p.strip() for p in predictor.split(",") if p.strip()]
         preds = {n: make_predictor(n, requests, buckets, bound_quantile) for n in names}
         pred = preds[names[0]]
-        extra = [f"reserve_predicted@{n}" for n in names[1:]] if "reserve_predicted" in policies else []
-        ours = [p for p in policies if p not in PEERS]
-        rows: dict[str, list[dict]] = {p: [] for p in [*policies, *extra]}
+        # (row name, allocation policy, predictor) for every engine row
+        runs = [(p, p, pred) for p in policies if p not in PEERS]
+        if "reserve_predicted" in policies:
+            runs += [(f"reserve_predicted@{n}", "reserve_predicted", preds[n]) for n in names[1:]]
+        rows: dict[str, list[dict]] = {p: [] for p in [*policies, *(r[0] for r in runs)]}
         for rep in range(repeats):  # NOTE: interleaved, so drift on a noisy machine hits all alike
-            for policy in ours:
+            for row_name, policy, row_pred in runs:
                 config = base.model_copy(update={"allocation": policy, "scheduler": scheduler or DEFAULT_SCHEDULER[policy]})
-                rows[policy].append(run_policy(config, runner, num_blocks, requests, pred, label=f"{rep}-"))
-                tqdm.write(f"[{rep + 1}/{repeats}] {policy}: {rows[policy][-1]['output_tokens_per_s']} tok/s")
-            for row_name in extra:
-                config = base.model_copy(update={"allocation": "reserve_predicted", "scheduler": scheduler or DEFAULT_SCHEDULER["reserve_predicted"]})
-                rows[row_name].append(run_policy(config, runner, num_blocks, requests, preds[row_name.split("@", 1)[1]],
-                                                 label=f"{rep}-", name=row_name))
+                rows[row_name].append(run_policy(config, runner, num_blocks, requests, row_pred, label=f"{rep}-", name=row_name))
                 tqdm.write(f"[{rep + 1}/{repeats}] {row_name}: {rows[row_name][-1]['output_tokens_per_s']} tok/s")
             for peer in (p for p in policies if p in PEERS):
                 from loadtests.hf_peers import run_peer
