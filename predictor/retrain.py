@@ -98,7 +98,7 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     """Check the trigger (unless ``force``), then retrain, register (``source=feedback``), gate
     and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when nothing to do."""
     from predictor import pipeline, registry
-    from predictor.model import META, ModelSpec
+    from predictor.model import META, LengthModel, ModelSpec
     from predictor.train import TrainConfig
 
     policy = policy or RetrainPolicy()
@@ -117,12 +117,11 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     original = trace_examples("train") if policy.original_examples else []
     random.Random(0).shuffle(original)
     mix = train + original[: policy.original_examples]
-    champion = pipeline.load_predictor(directory)
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
     started_s = time.time()
     summary = pipeline.train_and_register(
         config, spec, train=mix, evalset=holdout, source="feedback", promote=promote,
-        init=(champion.model, champion.tokenizer),
+        init=LengthModel.load(directory),
         extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": version, "trigger": reason},
     )
     mark_retrained(root, started_s)
