@@ -1,6 +1,5 @@
 # Two commands for a fresh machine:
-#   make run    set up, prepare the embedded model + traces, run the offline throughput benchmark
-#               (becomes `make serve` once the Ray Serve app lands)
+#   make serve  set up, prepare the embedded model, traces and first predictor, serve the chat API
 #   make test   set up and run the whole test suite (what CI runs)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare run test test-fast bench bench-sim bench-predictor clean
+.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +27,10 @@ install: $(STAMP)
 prepare: install
 	$(VENV)/bin/foreserve prepare
 
-run: prepare
-	$(VENV)/bin/foreserve bench throughput --requests 16 --max-tokens 256 --kv-tokens 2048 \
-		--policies reserve_max,paged,reserve_predicted,oracle --json reports/quick_throughput.json
+serve: prepare
+	$(VENV)/bin/foreserve serve
+
+run: serve
 
 test: prepare
 	$(PY) -m pytest -q -m "not slow"
@@ -51,6 +51,9 @@ bench-predictor: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
 		--policies reserve_max,reserve_predicted,oracle --predictor champion,oracle --json reports/throughput_champion.json
 	$(VENV)/bin/foreserve bench predictor --json reports/predictor_speed.json
+
+bench-serve: prepare
+	$(VENV)/bin/foreserve bench serve --requests 20 --max-tokens 32 --json reports/serve_overhead.json
 
 clean:
 	rm -rf $(VENV) reports

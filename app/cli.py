@@ -72,6 +72,18 @@ def cmd_bench_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from loadtests.serve_overhead import print_report, run
+
+    report = run(args.requests, args.max_tokens, args.config)
+    print_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one chat completion from the engine (no server): a quick way to see the model work."""
     import asyncio
@@ -145,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", metavar="FILE")
     bp.set_defaults(func=cmd_bench_predictor)
 
+    bs = bench.add_parser(
+        "serve", help="serving overhead: startup time, HTTP TTFT vs engine TTFT, streaming delivery",
+        description="Starts the app on a free port and sends one streaming request at a time; the engine "
+        "replica reports when it received the request and emitted each token, so HTTP TTFT minus engine TTFT "
+        "is what serving adds, and the spread ratio shows tokens arrive as they are generated.")
+    bs.add_argument("--requests", type=int, default=20, help="sequential requests timed (default 20)")
+    bs.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
+    bs.add_argument("--config", help="Serve config file (default: the repository's serve_config.yaml)")
+    bs.add_argument("--json", metavar="FILE")
+    bs.set_defaults(func=cmd_bench_serve)
+
     g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -156,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from app.cli_predictor import add_parser as add_predictor_parser
+    from app.cli_serve import add_parser as add_serve_parser
 
+    add_serve_parser(sub)
     add_predictor_parser(sub)
     return parser
 

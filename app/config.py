@@ -1,4 +1,8 @@
-"""Pydantic settings for the engine (and, later, the Serve app). Every field says what it is."""
+"""Pydantic settings for the engine pools, the predictor and the Serve app. Every field says what it is.
+
+serve_config.yaml is a Ray Serve config file (``serve run serve_config.yaml`` works); foreserve's own
+settings are the ``args`` of its application, validated here as ``AppConfig``.
+"""
 
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "serve_config.yam
 def load_pool_config(pool: str = "online", path: str | Path | None = None, **overrides) -> EngineConfig:
     """The EngineConfig of one pool (``online`` or ``offline``) from serve_config.yaml."""
     path = Path(path) if path else DEFAULT_CONFIG_PATH
-    pools = load_yaml(path).get("pools") or {}
+    pools = app_args(path).get("pools") or {}
     if pool not in pools:
         raise ValueError(f"{path}: no pool {pool!r}; pools defined: {sorted(pools)}")
     return EngineConfig(**{**(pools[pool] or {}), **overrides})
@@ -98,7 +102,60 @@ class PredictorConfig(BaseModel):
 def load_predictor_config(path: str | Path | None = None) -> PredictorConfig:
     """The ``predictor:`` section of serve_config.yaml (defaults when absent)."""
     path = Path(path) if path else DEFAULT_CONFIG_PATH
-    return PredictorConfig(**(load_yaml(path).get("predictor") or {}))
+    return PredictorConfig(**(app_args(path).get("predictor") or {}))
+
+
+class IngressConfig(BaseModel):
+    """The HTTP front door (``ingress:`` in the app's args)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty (and no FORESERVE_API_KEYS env) means no auth.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
+
+
+class AppConfig(BaseModel):
+    """The ``args`` of the foreserve Serve application (``deployments/builder.py: build_app``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description="HTTP front door settings.")
+    pools: dict[Literal["online", "offline"], EngineConfig] = Field(description="One engine config per pool: online and offline.")
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="The length predictor and its retraining.")
+
+    @model_validator(mode="after")
+    def _both_pools(self) -> "AppConfig":
+        missing = {"online", "offline"} - set(self.pools)
+        if missing:
+            raise ValueError(f"pools: missing {sorted(missing)}; the app serves an online and an offline pool")
+        if self.pools["online"].served_model_name != self.pools["offline"].served_model_name:
+            raise ValueError("pools: online and offline must serve the same model (served_model_name)")
+        return self
+
+
+APP_NAME = "foreserve"
+
+
+def app_entry(path: str | Path | None = None) -> dict:
+    """The foreserve application's entry (``name``, ``args``, ``deployments``...) of a Serve config file."""
+    path = Path(path) if path else DEFAULT_CONFIG_PATH
+    data = load_yaml(path)
+    apps = data.get("applications")
+    if apps is None:  # a bare args mapping
+        return {"name": APP_NAME, "args": data}
+    for entry in apps:
+        if entry.get("name", APP_NAME) == APP_NAME or len(apps) == 1:
+            return entry
+    raise ValueError(f"{path}: no application named {APP_NAME!r}")
+
+
+def app_args(path: str | Path | None = None) -> dict:
+    return app_entry(path).get("args") or {}
+
+
+def load_app_config(path: str | Path | None = None) -> AppConfig:
+    return AppConfig.model_validate(app_args(path))
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -2,70 +2,117 @@
 
 Each replica owns one ``LLMEngine`` (and, with ``tensor_parallel_size > 1``, its TP ranks) behind
 an ``AsyncLLMEngine``. ``generate`` streams plain dicts through a streaming DeploymentHandle; a
-caller that stops iterating aborts the request, which frees its KV blocks. Every finished
-request appends its feedback record. ``record_routing_stats`` publishes what the KV-aware router
-and the autoscaling policies need.
+caller that stops iterating aborts the request, which frees its KV blocks. A request the engine
+can never run comes back as one ``{"error": ...}`` item (typed, so it survives the process hop).
+Every finished request appends its feedback record. ``record_routing_stats`` publishes what the
+KV-aware router and the autoscaling policies need, and refreshes the pool's Prometheus gauges.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, Field
 from ray import serve
 
-from app.config import load_pool_config
+from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.engine import FINISH_REASONS, LLMEngine
+from app.engine.engine import FINISH_REASONS, LLMEngine, RequestRejected
 from app.engine.request import SamplingParams
+from predictor.buckets import LengthBuckets
 
 
 class GenerateRequest(BaseModel):
     """What the ingress hands a pool (already validated against the OpenAI schema)."""
 
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
-    messages: list[dict] = Field(min_length=1, description="Chat messages for the model's chat template.")
+    messages: list[dict] = Field(default_factory=list, description="Chat messages for the model's chat template.")
+    prompt_token_ids: list[int] | None = Field(None, description="The rendered prompt's tokens (the ingress counted them); else messages are rendered here.")
+    num_prompt_tokens: int | None = Field(None, description="len(prompt_token_ids): what the KV-aware router reads.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens) from the predictor deployment.")
+    prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens) from the predictor deployment; None reserves for max_tokens.")
     predictor_text: str | None = Field(None, description="The text the predictor read (kept in the feedback record).")
     predictor_version: str | None = None
+
+
+class PredictionWindow:
+    """How well the served predictions matched, over the last ``size`` naturally finished requests."""
+
+    def __init__(self, buckets: LengthBuckets, size: int = 200) -> None:
+        self.buckets = buckets
+        self.hits: collections.deque[tuple[bool, bool]] = collections.deque(maxlen=size)
+
+    def add(self, prediction: tuple | None, output_tokens: int, finish_reason: str | None) -> None:
+        if prediction is None or finish_reason != "stop":  # a cut-off answer's true length is unknown
+            return
+        bucket, _, bound_tokens = prediction
+        actual = self.buckets.bucket_of(min(output_tokens, self.buckets.max_tokens))
+        self.hits.append((abs(actual - bucket) <= 1, output_tokens <= bound_tokens))
+
+    def rates(self) -> tuple[float, float] | None:
+        """(within-1-bucket accuracy, share whose bound held), or None before any finished request."""
+        if not self.hits:
+            return None
+        n = len(self.hits)
+        return sum(h[0] for h in self.hits) / n, sum(h[1] for h in self.hits) / n
 
 
 class EngineServer:
     """Plain class (usable without Serve); ``EngineServerDeployment`` wraps it."""
 
-    def __init__(self, pool: str = "online", config_path: str | None = None, overrides: dict | None = None) -> None:
+    def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None) -> None:
         from predictor.feedback import FeedbackWriter
 
         self.pool = pool
-        self.config = load_pool_config(pool, config_path, **(overrides or {}))
+        self.config = load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine)
         self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
         self.aengine = AsyncLLMEngine(self.engine)
+        self.window = PredictionWindow(self.engine.buckets)
+        # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
+        self.emit_times: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
 
     def render(self, messages: list[dict]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     async def generate(self, request: dict | GenerateRequest) -> AsyncIterator[dict]:
         req = GenerateRequest.model_validate(request)
+        prompt = None if req.prompt_token_ids else self.render(req.messages)
         stream = self.aengine.generate(
             request_id=req.request_id,
-            prompt=self.render(req.messages),
+            prompt_token_ids=req.prompt_token_ids,
+            prompt=prompt,
             sampling=req.sampling,
             tier=self.pool,
             prediction=req.prediction,
             predictor_text=req.predictor_text,
             predictor_version=req.predictor_version,
         )
-        async for out in stream:
-            yield {
-                "request_id": out.request_id,
-                "text": out.text_delta,
-                "finished": out.finished,
-                "finish_reason": FINISH_REASONS.get(out.finish_reason or "", out.finish_reason),
-                "prompt_tokens": out.num_prompt_tokens,
-                "completion_tokens": out.num_output_tokens,
-            }
+        emitted = self._emit_log(req.request_id)
+        try:
+            async for out in stream:
+                emitted.append(time.time())
+                finish_reason = FINISH_REASONS.get(out.finish_reason or "", out.finish_reason)
+                if out.finished:
+                    self.window.add(req.prediction, out.num_output_tokens, finish_reason)
+                yield {
+                    "request_id": out.request_id,
+                    "text": out.text_delta,
+                    "finished": out.finished,
+                    "finish_reason": finish_reason,
+                    "prompt_tokens": out.num_prompt_tokens,
+                    "completion_tokens": out.num_output_tokens,
+                }
+        except RequestRejected as exc:
+            yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}
+
+    def _emit_log(self, request_id: str) -> list[float]:
+        log = self.emit_times[request_id] = [time.time()]
+        while len(self.emit_times) > 256:
+            self.emit_times.popitem(last=False)
+        return log
 
     def routing_stats(self) -> dict:
         """KV left after what is promised, waiting predicted work: the router's and autoscaler's inputs."""
@@ -74,6 +121,7 @@ class EngineServer:
             waiting = list(self.engine.scheduler.waiting)
         except RuntimeError:
             waiting = []
+        rates = self.window.rates()
         return {
             "kv_capacity_tokens": stats.kv_capacity_tokens,
             "kv_used_tokens": stats.kv_used_tokens,
@@ -81,19 +129,28 @@ class EngineServer:
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "waiting_predicted_tokens": sum(r.num_prompt_tokens + r.predicted_output_tokens for r in waiting),
+            "preemptions": stats.preemptions,
+            "recomputed_tokens": stats.recomputed_tokens,
+            "output_tokens": stats.output_tokens,
             "predictor_fallbacks": stats.predictor_fallbacks,
+            "predictor_within1_acc": None if rates is None else rates[0],
+            "predictor_bound_held": None if rates is None else rates[1],
+            "reported_at_s": time.time(),
         }
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=128)
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class EngineServerDeployment:
-    """Bind with ``(pool, config_path, overrides)``; call ``handle.options(stream=True).generate``."""
+    """Bind with ``(pool, engine_config_dict)``; call ``handle.options(stream=True).generate``."""
 
-    def __init__(self, pool: str = "online", config_path: str | None = None, overrides: dict | None = None) -> None:
-        self.server = EngineServer(pool, config_path, overrides)
+    def __init__(self, pool: str = "online", engine: dict | None = None) -> None:
+        from deployments.metrics import PoolMetrics
+
+        self.server = EngineServer(pool, engine)
+        self.metrics = PoolMetrics(pool)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         async for item in self.server.generate(request):
@@ -102,8 +159,14 @@ class EngineServerDeployment:
     def stats(self) -> dict:
         return self.server.routing_stats()
 
+    def emit_times(self, request_id: str) -> list[float] | None:
+        """Wall-clock arrival then one time per streamed item, for a recent request (benchmarks)."""
+        return self.server.emit_times.get(request_id)
+
     def record_routing_stats(self) -> dict:
-        return self.server.routing_stats()
+        stats = self.server.routing_stats()
+        self.metrics.update(stats)
+        return stats
 
     def check_health(self) -> None:
         if not self.server.aengine.healthy:

@@ -5,6 +5,10 @@ promoted version without dropping requests: a background thread polls the regist
 version beside the old one and swaps one reference; requests in flight finish on the old one.
 Without a usable champion it answers with ``max`` reservation (version ``max-fallback``), so the
 service comes up and keeps serving; callers still time out and fall back on their side.
+
+The same poll runs the retraining trigger (``RetrainTrigger``): when the feedback written by the
+engine replicas meets the policy, one Ray task retrains, gates and promotes; the next poll serves
+the new champion.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ logger = logging.getLogger("ray.serve")
 class LengthPredictorServer:
     """Plain class (testable without Ray); ``PredictorDeployment`` below wraps it for Serve."""
 
-    def __init__(self, config: PredictorConfig | dict | None = None) -> None:
+    def __init__(self, config: PredictorConfig | dict | None = None, trigger: "RetrainTrigger | None" = None) -> None:
         self.config = PredictorConfig.model_validate(config or {})
         self._predictor = self._load()
         self.swaps = 0
+        self.trigger = trigger
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         if self.config.source == "champion":
@@ -68,6 +73,8 @@ class LengthPredictorServer:
     def _poll(self) -> None:
         while not self._stop.wait(self.config.poll_s):
             self.refresh()
+            if self.trigger is not None:
+                self.trigger.tick(self._predictor)
 
     def predict_batch(self, texts: list[str]) -> list[dict]:
         predictor = self._predictor
@@ -88,26 +95,78 @@ class LengthPredictorServer:
         self._stop.set()
 
 
+class RetrainTrigger:
+    """Submits one retraining Ray task at a time when new feedback meets the policy."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        self.policy = config.retrain
+        self.running = None  # ObjectRef of the retraining task in flight
+        self.last_summary: dict | None = None
+        self.submitted = 0
+
+    def tick(self, predictor) -> None:
+        import ray
+
+        from predictor.buckets import LengthBuckets
+        from predictor.feedback import feedback_dir, scan_feedback
+        from predictor.retrain import last_retrain_s, submit_retrain, trigger_reason
+
+        if self.running is not None:
+            done, _ = ray.wait([self.running], timeout=0)
+            if not done:
+                return
+            try:
+                self.last_summary = ray.get(self.running)
+                logger.info("predictor retraining finished: %s", self.last_summary)
+            except Exception as exc:  # noqa: BLE001 - a failed retrain leaves the champion serving
+                self.last_summary = {"retrained": False, "reason": f"failed: {exc}"}
+                logger.error("predictor retraining failed: %s", exc)
+            self.running = None
+        spec = getattr(predictor, "spec", None)
+        if spec is None:
+            return  # no learned champion to continue from
+        since_s = last_retrain_s()
+        new = [r for r in scan_feedback(feedback_dir())[0] if r.timestamp_s > since_s]
+        reason = trigger_reason(new, self.policy, LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets))
+        if reason is not None:
+            logger.info("retraining the predictor: %s", reason)
+            self.running = submit_retrain(self.policy)
+            self.submitted += 1
+
+    def info(self) -> dict:
+        return {"retrains_submitted": self.submitted, "retrain_running": self.running is not None,
+                "last_retrain": self.last_summary}
+
+
 @serve.deployment(name="predictor", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
 class PredictorDeployment:
     """``await handle.predict.remote(text) -> dict`` (bucket, bound_tokens, probabilities,
     expected_tokens, score, version). ``reconfigure`` takes a ``PredictorConfig`` dict."""
 
     def __init__(self, config: dict | None = None) -> None:
-        self.server = LengthPredictorServer(config)
+        self.server = self._server(PredictorConfig.model_validate(config or {}))
         self.started_s = time.time()
+
+    @staticmethod
+    def _server(config: PredictorConfig) -> LengthPredictorServer:
+        return LengthPredictorServer(config, RetrainTrigger(config) if config.retrain_enabled else None)
 
     def reconfigure(self, config: dict) -> None:
         fresh = PredictorConfig.model_validate(config or {})
         if fresh == self.server.config:
             return  # Serve calls reconfigure right after __init__ with the same user_config
-        old, self.server = self.server, LengthPredictorServer(fresh)
+        old, self.server = self.server, self._server(fresh)
         old.close()
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    # NOTE: no batch wait: requests that arrive while a batch runs form the next one, so a lone
+    # chat request is not held back and a burst still batches.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def predict(self, texts: list[str]) -> list[dict]:
         # NOTE: inference off the event loop, so info() and new arrivals stay responsive
         return await asyncio.to_thread(self.server.predict_batch, texts)
 
     def info(self) -> dict:
-        return {"version": self.server.version, "swaps": self.server.swaps, "up_s": time.time() - self.started_s}
+        info = {"version": self.server.version, "swaps": self.server.swaps, "up_s": time.time() - self.started_s}
+        if self.server.trigger is not None:
+            info.update(self.server.trigger.info())
+        return info

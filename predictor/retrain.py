@@ -37,6 +37,8 @@ class RetrainPolicy(BaseModel):
     original_examples: int = Field(2000, ge=0, description="ShareGPT train examples mixed in so the model keeps what it knew.")
     epochs: int = Field(1, ge=1, description="Epochs over feedback + original examples.")
     lr: float = Field(3e-5, gt=0, description="Encoder learning rate when continuing from the champion.")
+    gate: bool = Field(True, description="Promote only a candidate that beats the champion on the held-out feedback; false promotes every retrained version (demos, tests).")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by the retraining task.")
 
 
 def is_holdout(text: str, frac: float) -> bool:
@@ -120,18 +122,22 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
     started_s = time.time()
     summary = pipeline.train_and_register(
-        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote,
+        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote and policy.gate,
         init=LengthModel.load(directory),
         extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": version, "trigger": reason},
     )
+    if promote and not policy.gate:
+        registry.set_champion(summary["version"])
+        summary.update(promoted=True, gate="skipped (retrain.gate is false)")
     mark_retrained(root, started_s)
     logger.info("retrained predictor: %s", summary)
     return {"retrained": True, "reason": reason, "parent_version": version, **summary}
 
 
 def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False):
-    """Run ``retrain_from_feedback`` as a Ray task (one CPU); returns its ObjectRef."""
+    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef."""
     import ray
 
-    task = ray.remote(num_cpus=1, max_retries=0)(retrain_from_feedback)
+    policy = policy or RetrainPolicy()
+    task = ray.remote(num_cpus=policy.num_cpus, max_retries=0)(retrain_from_feedback)
     return task.remote(policy, root, force)

@@ -26,7 +26,7 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
     env = {"FORESERVE_HOME": str(feedback), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
-        app = EngineServerDeployment.options(name="online").bind("online", None, {"kv_cache_tokens": 2048, "torch_threads": 1})
+        app = EngineServerDeployment.options(name="online").bind("online", {"kv_cache_tokens": 2048, "torch_threads": 1})
         handle = serve.run(app, name="engine-test", route_prefix=None).options(stream=True)
         request = {"request_id": "r1", "messages": [{"role": "user", "content": "Say hello."}],
                    "sampling": {"max_tokens": 8, "temperature": 0.0}, "prediction": (0, None, 102),
@@ -40,8 +40,8 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
         assert items[-1]["finish_reason"] in ("stop", "length") and "".join(i["text"] for i in items).strip()
 
         too_long = {**request, "request_id": "r2", "sampling": {"max_tokens": 5000}}
-        with pytest.raises(Exception, match="exceeds"):
-            asyncio.run(collect(too_long))
+        (rejected,) = asyncio.run(collect(too_long))  # one typed error item, not an exception
+        assert rejected["error"]["status_code"] == 400 and "exceeds" in rejected["error"]["message"]
 
         async def walk_away() -> None:
             stream = handle.generate.remote({**request, "request_id": "r3", "sampling": {"max_tokens": 200, "ignore_eos": True}})

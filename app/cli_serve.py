@@ -1,0 +1,137 @@
+"""``foreserve serve``: start (or join) Ray, deploy serve_config.yaml's app, print how to call it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+# Passed to every replica: the same data dir, offline hub, no telemetry, same API keys.
+FORWARDED_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
+                 "MLFLOW_TRACKING_URI", "FORESERVE_API_KEYS")
+
+
+def wait_ready(url: str, timeout_s: float, api_key: str | None = None) -> None:
+    """Poll ``GET /v1/models`` until the app answers (Serve's proxy 503/404s until routes exist)."""
+    deadline = time.monotonic() + timeout_s
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not answer at {url} within {timeout_s:.0f} s; see the Ray logs above")
+        time.sleep(0.5)
+
+
+def start(config_path: str | None = None, host: str | None = None, port: int | None = None):
+    """Start Ray (local, or ``RAY_ADDRESS``) and deploy the app; returns (url, seconds taken)."""
+    import ray
+    from ray import serve
+
+    from app.config import DEFAULT_CONFIG_PATH, app_entry, load_app_config, load_yaml
+    from deployments.builder import build_app, deployment_options
+
+    t0 = time.perf_counter()
+    path = Path(config_path) if config_path else DEFAULT_CONFIG_PATH
+    entry = app_entry(path)
+    config = load_app_config(path)  # fail fast, before starting anything
+    top = load_yaml(path)
+    http = {"host": "127.0.0.1", "port": 8000, **(top.get("http_options") or {})}
+    if host:
+        http["host"] = host
+    if port:
+        http["port"] = port
+    if not os.environ.get("RAY_ADDRESS"):
+        # NOTE: Ray 2.60 turns on token auth by default; a private local cluster runs without it
+        # (joining a cluster with auth: export RAY_AUTH_TOKEN and RAY_ADDRESS instead).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    ray.init(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
+    serve.start(proxy_location=top.get("proxy_location", "HeadOnly"), http_options=http)
+    app = build_app(entry.get("args") or {}, deployment_options(entry))
+    serve.run(app, name=entry.get("name", "foreserve"), route_prefix=entry.get("route_prefix", "/"), blocking=False)
+    url = f"http://{http['host']}:{http['port']}"
+    keys = config.ingress.api_keys or [k for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k]
+    wait_ready(url, 120, keys[0] if keys else None)
+    return url, time.perf_counter() - t0, config
+
+
+def examples(url: str, model: str, auth: bool) -> str:
+    key_header = ' -H "Authorization: Bearer $FORESERVE_API_KEY"' if auth else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Name three colors."}],
+                       "max_tokens": 64, "stream": True})
+    api_key = 'os.environ["FORESERVE_API_KEY"]' if auth else '"none"'
+    return f"""
+curl {url}/v1/chat/completions -H "Content-Type: application/json"{key_header} \\
+  -d '{body}'
+
+python - <<'EOF'
+import os
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key={api_key})
+reply = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Name three colors."}}],
+                                       max_tokens=64, service_tier="flex")  # flex: the offline pool
+print(reply.choices[0].message.content, reply.usage)
+EOF
+"""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app import paths
+
+    if not paths.model_dir().exists():
+        if args.no_prepare:
+            raise RuntimeError(f"no model at {paths.model_dir()}; run `foreserve prepare` first")
+        from app.prepare.run import prepare
+
+        prepare()
+    url, took_s, config = start(args.config, args.host, args.port)
+    model = config.pools["online"].served_model_name
+    auth = bool(config.ingress.api_keys or os.environ.get("FORESERVE_API_KEYS"))
+    print(f"\nforeserve is up at {url} in {took_s:.0f} s (model {model}; pools online + offline; "
+          f"metrics: Ray's Prometheus endpoint). Try:\n{examples(url, model, auth)}\nCtrl-C stops it.", flush=True)
+    if args.exit_when_ready:
+        _stop()
+        return 0
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    print("stopping foreserve...", flush=True)
+    _stop()
+    return 0
+
+
+def _stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start Ray (or join RAY_ADDRESS) and serve the OpenAI-compatible chat API",
+        description="Deploys serve_config.yaml's foreserve app (ingress, online and offline engine pools, the "
+        "length predictor) on a local Ray cluster, or on the cluster at RAY_ADDRESS, prints the URL and a "
+        "ready-to-paste example, and runs until Ctrl-C. Runs `foreserve prepare` first if the model is missing.",
+    )
+    p.add_argument("--config", help="Serve config file (default: the repository's serve_config.yaml)")
+    p.add_argument("--host", help="HTTP host (default: the config's http_options, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default: the config's http_options, 8000)")
+    p.add_argument("--no-prepare", action="store_true", help="fail instead of preparing a missing model")
+    p.add_argument("--exit-when-ready", action="store_true", help="stop once the first request could be served (startup timing)")
+    p.set_defaults(func=cmd_serve)

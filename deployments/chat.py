@@ -1,0 +1,82 @@
+"""Engine items → OpenAI chat completion objects and SSE events (pure; no Ray)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+from app.api.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ResponseMessage,
+    Usage,
+)
+
+
+class ChatResult:
+    """One answer as it accumulates from the engine's items (text deltas, token counts, timing)."""
+
+    def __init__(self, request_id: str, model: str, tier: str, t0: float, first: dict) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.tier = tier
+        self.t0 = t0
+        self.first = first
+        self.created = int(time.time())
+        self.ttft_s = time.perf_counter() - t0
+        self.parts: list[str] = []
+        self.prompt_tokens = first["prompt_tokens"]
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.sent_role = False
+
+    def add(self, item: dict) -> None:
+        self.parts.append(item["text"])
+        self.completion_tokens = item["completion_tokens"]
+        if item["finished"]:
+            self.finish_reason = "length" if item["finish_reason"] == "length" else "stop"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
+
+    @property
+    def service_tier(self) -> str:
+        return "flex" if self.tier == "flex" else "default"
+
+
+def completion(result: ChatResult) -> ChatCompletion:
+    return ChatCompletion(
+        id=result.request_id, created=result.created, model=result.model, usage=result.usage,
+        choices=[Choice(message=ResponseMessage(content=result.text), finish_reason=result.finish_reason)],
+        service_tier=result.service_tier,
+    )
+
+
+def _event(result: ChatResult, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+    chunk = ChatCompletionChunk(id=result.request_id, created=result.created, model=result.model,
+                                choices=choices, usage=usage, service_tier=result.service_tier)
+    return "data: " + json.dumps(chunk.model_dump(exclude_none=True)) + "\n\n"
+
+
+def sse_chunks(result: ChatResult, item: dict, include_usage: bool) -> Iterator[str]:
+    """The SSE events for one engine item (already added to ``result``): the role on the first,
+    the text delta if any, then the finish reason and (if asked) a usage-only chunk on the last."""
+    if not result.sent_role:
+        result.sent_role = True
+        yield _event(result, [ChunkChoice(delta=Delta(role="assistant", content=""))])
+    if item["text"]:
+        yield _event(result, [ChunkChoice(delta=Delta(content=item["text"]))])
+    if item["finished"]:
+        yield _event(result, [ChunkChoice(delta=Delta(), finish_reason=result.finish_reason)])
+        if include_usage:
+            yield _event(result, [], usage=result.usage)

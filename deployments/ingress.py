@@ -1,0 +1,242 @@
+"""The HTTP front door: OpenAI's chat completions API on Ray Serve (FastAPI ingress).
+
+One request's path: auth → body limit → JSON + schema (400 with the failing field) → model id (404)
+→ chat template and context checks (400) → the shared predictor (a timeout or failure reserves for
+max_tokens, counted) → the pool's engine (``service_tier`` flex → offline, anything else → online).
+The first engine item is awaited before any byte is sent, so a pool at its queue limit is a clean
+429 with Retry-After and an engine rejection a clean 400: nothing half-accepted. A client that goes
+away cancels the handle call, which aborts the request in the engine and frees its KV blocks.
+"""
+
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.api import errors
+from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
+from app.config import AppConfig
+from app.engine.request import SamplingParams
+from deployments.chat import ChatResult, completion, sse_chunks
+from deployments.engine_server import GenerateRequest
+
+logger = logging.getLogger("ray.serve")
+async def _rest(stream, first: dict) -> AsyncIterator[dict]:
+    """The first item (already received) followed by the rest of the stream."""
+    yield first
+    if first["finished"]:
+        return
+    async for item in stream:
+        yield item
+        if item["finished"]:
+            return
+
+
+app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output-length prediction.")
+
+
+@app.exception_handler(errors.APIError)
+async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err = errors.APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, online: DeploymentHandle, offline: DeploymentHandle, predictor: DeploymentHandle, config: dict) -> None:
+        from transformers import AutoTokenizer
+
+        from deployments.metrics import RequestMetrics
+
+        self.config = AppConfig.model_validate(config)
+        self.pools = {"online": online, "offline": offline}
+        self.predictor = predictor
+        self.engine_config = self.config.pools["online"]
+        self.model_id = self.engine_config.served_model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine_config.model_path)
+        env_keys = [k.strip() for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k.strip()]
+        self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
+        self.metrics = RequestMetrics()
+        self.predictor_fallbacks = 0
+
+    # -- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "model": self.model_id, "predictor_fallbacks": self.predictor_fallbacks}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return ModelList(data=[ModelCard(id=self.model_id)]).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        tier = "online"
+        try:
+            self._authorize(request)
+            body = await self._parse(request)
+            tier = "flex" if body.pool == "offline" else "online"
+            response = await self._complete(body)
+        except errors.APIError as exc:
+            self.metrics.status(tier, exc.status_code)
+            raise
+        self.metrics.status(tier, 200)
+        return response
+
+    # -- steps -------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise errors.unauthorized()
+
+    async def _parse(self, request: Request) -> ChatCompletionRequest:
+        limit = self.config.ingress.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(limit)
+        raw = bytearray()
+        async for piece in request.stream():  # NOTE: also bounds bodies sent without Content-Length
+            raw += piece
+            if len(raw) > limit:
+                raise errors.too_large(limit)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise errors.bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
+        try:
+            body = ChatCompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            raise errors.from_validation_error(exc) from None
+        if body.model != self.model_id:
+            raise errors.model_not_found(body.model)
+        return body
+
+    def _tokenize(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context."""
+        try:
+            text = self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template error is the conversation's fault
+            raise errors.bad_request(f"These messages do not fit the model's chat template: {exc}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        context = self.engine_config.max_model_len_tokens
+        if len(ids) >= context:
+            raise errors.bad_request(
+                f"This model's maximum context length is {context} tokens; your messages take {len(ids)}.",
+                param="messages", code="context_length_exceeded")
+        requested = body.requested_max_tokens()
+        if requested is not None and len(ids) + requested > context:
+            raise errors.bad_request(
+                f"This model's maximum context length is {context} tokens; you requested {len(ids) + requested} "
+                f"({len(ids)} in the messages, {requested} for the completion).",
+                param="max_tokens", code="context_length_exceeded")
+        return ids, requested or min(self.engine_config.default_max_tokens, context - len(ids))
+
+    async def _predict(self, text: str, tier: str) -> dict | None:
+        """The predictor's answer, or None (reserve max_tokens) if it fails or is too slow."""
+        response = self.predictor.predict.remote(text)
+        try:
+            return await asyncio.wait_for(response, self.config.predictor.timeout_ms / 1000)
+        except Exception as exc:  # noqa: BLE001 - never an error for the user
+            response.cancel()
+            self.predictor_fallbacks += 1
+            self.metrics.fallback(tier)
+            logger.warning("length predictor unavailable (%s); reserving for max_tokens", type(exc).__name__)
+            return None
+
+    async def _complete(self, body: ChatCompletionRequest):
+        t0 = time.perf_counter()
+        tier = "flex" if body.pool == "offline" else "online"
+        text = body.predictor_text()
+        prediction = asyncio.ensure_future(self._predict(text, tier))  # overlaps the chat template
+        try:
+            ids, max_tokens = self._tokenize(body)
+        except errors.APIError:
+            prediction.cancel()
+            raise
+        pred = await prediction
+        request = GenerateRequest(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            prompt_token_ids=ids,
+            num_prompt_tokens=len(ids),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                    seed=body.seed, stop=body.stop_list),
+            prediction=None if pred is None else (pred["bucket"], pred["probabilities"], pred["bound_tokens"]),
+            predictor_text=text,
+            predictor_version="max-fallback" if pred is None else pred["version"],
+        )
+        stream = self.pools[body.pool].options(stream=True).generate.remote(request.model_dump())
+        first = await self._first_item(stream, body.pool)
+        result = ChatResult(request.request_id, self.model_id, tier, t0, first)
+        headers = {
+            "x-foreserve-request-id": request.request_id,
+            "x-foreserve-pool": body.pool,
+            "x-foreserve-predictor-version": str(request.predictor_version),
+            "x-foreserve-predicted-tokens": str(max_tokens if pred is None else min(pred["bound_tokens"], max_tokens)),
+        }
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._stream_events(stream, result, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            async for item in _rest(stream, first):
+                result.add(item)
+        except Exception as exc:  # noqa: BLE001 - the replica died mid-answer
+            stream.cancel()
+            raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
+        self._observe(result)
+        return JSONResponse(completion(result).model_dump(), headers=headers)
+
+    async def _first_item(self, stream, pool: str) -> dict:
+        try:
+            first = await stream.__anext__()
+        except BackPressureError:
+            raise errors.overloaded(self.config.ingress.retry_after_s, pool) from None
+        except Exception as exc:  # noqa: BLE001 - a dead or missing replica: retryable, not a 500
+            logger.exception("%s pool failed before the first token", pool)
+            raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
+        if "error" in first:
+            raise errors.bad_request(first["error"]["message"], param="max_tokens", code="context_length_exceeded")
+        return first
+
+    async def _stream_events(self, stream, result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for item in _rest(stream, result.first):
+                result.add(item)
+                for event in sse_chunks(result, item, include_usage):
+                    yield event
+                finished = item["finished"]
+            self._observe(result)
+        except Exception as exc:  # noqa: BLE001 - headers are gone: report in-band, then end the stream
+            logger.exception("stream %s failed", result.request_id)
+            yield "data: " + json.dumps(errors.unavailable(f"generation failed: {exc}").body()) + "\n\n"
+        finally:
+            if not finished:  # client went away or the stream broke: abort in the engine
+                stream.cancel()
+        yield "data: [DONE]\n\n"
+
+    def _observe(self, result: ChatResult) -> None:
+        self.metrics.finished(result.tier, result.ttft_s, time.perf_counter() - result.t0, result.completion_tokens)
+

@@ -1,0 +1,68 @@
+"""Prometheus metrics through Ray (``ray.serve.metrics``): Ray's metrics agent exports them on each
+node's metrics port next to Serve's own (``ray_foreserve_*``). Serve adds deployment/replica tags."""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+# Seconds; TTFT/E2E up to minutes (offline), TPOT down to milliseconds.
+LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300]
+TPOT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2]
+
+
+class RequestMetrics:
+    """Per tier (``online``/``flex``), observed by the ingress: what the client saw."""
+
+    def __init__(self) -> None:
+        tier = ("tier",)
+        self.ttft = Histogram("foreserve_ttft_s", "Time to first token (HTTP ingress).", LATENCY_BOUNDARIES_S, tier)
+        self.tpot = Histogram("foreserve_tpot_s", "Mean time per output token after the first.", TPOT_BOUNDARIES_S, tier)
+        self.e2e = Histogram("foreserve_e2e_s", "End-to-end request latency.", LATENCY_BOUNDARIES_S, tier)
+        self.requests = Counter("foreserve_requests", "Requests by tier and HTTP status.", ("tier", "status"))
+        self.output_tokens = Counter("foreserve_output_tokens", "Generated tokens.", tier)
+        self.fallbacks = Counter("foreserve_predictor_fallbacks", "Requests that reserved max_tokens because the predictor failed or timed out.", tier)
+
+    def finished(self, tier: str, ttft_s: float, e2e_s: float, output_tokens: int) -> None:
+        tags = {"tier": tier}
+        self.ttft.observe(ttft_s, tags)
+        self.e2e.observe(e2e_s, tags)
+        if output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1), tags)
+        self.output_tokens.inc(output_tokens, tags)
+
+    def status(self, tier: str, status_code: int) -> None:
+        self.requests.inc(1, {"tier": tier, "status": str(status_code)})
+
+    def fallback(self, tier: str) -> None:
+        self.fallbacks.inc(1, {"tier": tier})
+
+
+class PoolMetrics:
+    """Per engine replica, refreshed with every routing-stats report."""
+
+    GAUGES = {
+        "kv_used_tokens": "KV tokens held (physical blocks, reserved or written).",
+        "kv_capacity_tokens": "KV pool size in tokens.",
+        "num_running": "Sequences in the running batch.",
+        "num_waiting": "Sequences waiting for admission.",
+        "waiting_predicted_tokens": "Prompt + predicted output tokens of the waiting sequences.",
+        "predictor_within1_acc": "Share of recent finished requests whose predicted bucket was within one of the real one.",
+        "predictor_bound_held": "Share of recent finished requests whose real length fit the reserved bound.",
+    }
+    COUNTERS = {"preemptions": "Preemptions (recompute).", "recomputed_tokens": "Tokens recomputed after preemption."}
+
+    def __init__(self, pool: str) -> None:
+        self.tags = {"pool": pool}
+        self.gauges = {k: Gauge(f"foreserve_{k}", d, ("pool",)) for k, d in self.GAUGES.items()}
+        self.counters = {k: Counter(f"foreserve_{k}", d, ("pool",)) for k, d in self.COUNTERS.items()}
+        self._last = dict.fromkeys(self.COUNTERS, 0)
+
+    def update(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if stats.get(key) is not None:
+                gauge.set(stats[key], self.tags)
+        for key, counter in self.counters.items():
+            delta = stats.get(key, 0) - self._last[key]
+            if delta > 0:
+                counter.inc(delta, self.tags)
+                self._last[key] = stats[key]

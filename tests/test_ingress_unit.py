@@ -1,0 +1,101 @@
+"""The ingress's pure parts without a cluster: SSE and completion shapes, the app config, the
+predictor timeout fallback, the prediction-accuracy window."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.config import AppConfig, load_app_config
+from deployments.chat import ChatResult, completion, sse_chunks
+from deployments.engine_server import PredictionWindow
+from predictor.buckets import LengthBuckets
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _item(text: str, n: int, finished: bool = False, reason: str | None = None) -> dict:
+    return {"text": text, "completion_tokens": n, "prompt_tokens": 7, "finished": finished, "finish_reason": reason}
+
+
+def test_sse_events_follow_openai_streaming():
+    items = [_item("Hel", 1), _item("", 2), _item("lo", 3, True, "length")]
+    result = ChatResult("chatcmpl-1", "m", "flex", 0.0, items[0])
+    events = []
+    for item in items:
+        result.add(item)
+        events += list(sse_chunks(result, item, include_usage=True))
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events]
+    assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["Hel", "lo"]  # the empty delta sends nothing
+    assert chunks[3]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert {c["id"] for c in chunks} == {"chatcmpl-1"} and {c["service_tier"] for c in chunks} == {"flex"}
+    body = completion(result).model_dump()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+
+
+def test_no_usage_chunk_unless_asked():
+    item = _item("ok", 1, True, "stop")
+    result = ChatResult("c", "m", "online", 0.0, item)
+    result.add(item)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in sse_chunks(result, item, include_usage=False)]
+    assert [c["choices"][0].get("finish_reason") for c in chunks] == [None, None, "stop"] and "usage" not in chunks[-1]
+
+
+def test_app_config_loads_the_repository_file_and_checks_pools():
+    config = load_app_config()
+    assert config.pools["online"].scheduler == "online" and config.pools["offline"].scheduler == "offline"
+    with pytest.raises(ValidationError, match="missing"):
+        AppConfig.model_validate({"pools": {"online": {}}})
+    with pytest.raises(ValidationError, match="same model"):
+        AppConfig.model_validate({"pools": {"online": {}, "offline": {"served_model_name": "other"}}})
+    with pytest.raises(ValidationError, match="unknown allocation"):
+        AppConfig.model_validate({"pools": {"online": {"allocation": "nope"}, "offline": {}}})
+
+
+class _SlowResponse:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self):
+        return asyncio.sleep(3600).__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.fallbacks: list[str] = []
+
+    def fallback(self, tier: str) -> None:
+        self.fallbacks.append(tier)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")  # Serve's wrapper, never started
+def test_a_slow_predictor_falls_back_to_max_and_is_counted():
+    from deployments.ingress import Ingress
+
+    response = _SlowResponse()
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "predictor": {"timeout_ms": 20}})
+    ingress.predictor = type("H", (), {"predict": type("M", (), {"remote": staticmethod(lambda text: response)})()})()
+    ingress.metrics, ingress.predictor_fallbacks = _Metrics(), 0
+    assert asyncio.run(ingress._predict("hi", "online")) is None
+    assert response.cancelled and ingress.predictor_fallbacks == 1 and ingress.metrics.fallbacks == ["online"]
+
+
+def test_prediction_window_counts_natural_finishes_only():
+    window = PredictionWindow(LengthBuckets(max_tokens=100, num_buckets=10))
+    assert window.rates() is None
+    window.add((0, None, 10), 8, "stop")  # right bucket, bound held
+    window.add((0, None, 10), 25, "stop")  # two buckets off, bound broken
+    window.add((0, None, 10), 100, "length")  # cut off: unknown true length, skipped
+    window.add(None, 5, "stop")  # fallback: nothing predicted
+    assert window.rates() == (0.5, 0.5)
