@@ -64,6 +64,13 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     return url, time.perf_counter() - t0, config
 
 
+def metrics_urls() -> list[str]:
+    """Each Ray node's Prometheus endpoint (foreserve's metrics are ``ray_foreserve_*``)."""
+    import ray
+
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes() if n.get("Alive")]
+
+
 def examples(url: str, model: str, auth: bool) -> str:
     key_header = ' -H "Authorization: Bearer $FORESERVE_API_KEY"' if auth else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Name three colors."}],
@@ -96,18 +103,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url, took_s, config = start(args.config, args.host, args.port)
     model = config.pools["online"].served_model_name
     auth = bool(config.ingress.api_keys or os.environ.get("FORESERVE_API_KEYS"))
-    print(f"\nforeserve is up at {url} in {took_s:.0f} s (model {model}; pools online + offline; "
-          f"metrics: Ray's Prometheus endpoint). Try:\n{examples(url, model, auth)}\nCtrl-C stops it.", flush=True)
+    print(f"\nforeserve is up at {url} in {took_s:.0f} s (model {model}; pools online + offline).\n"
+          f"Prometheus metrics (ray_foreserve_*): {', '.join(metrics_urls())}\nTry:\n{examples(url, model, auth)}\n"
+          "Ctrl-C stops it.", flush=True)
     if args.exit_when_ready:
         _stop()
         return 0
     stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    for sig in (signal.SIGINT, signal.SIGTERM):  # NOTE: explicit, as a shell's `&` leaves SIGINT ignored
+        signal.signal(sig, lambda *_: stop.update(now=True))
+    while not stop["now"]:
+        time.sleep(0.5)
     print("stopping foreserve...", flush=True)
     _stop()
     return 0

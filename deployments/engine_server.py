@@ -73,6 +73,7 @@ class EngineServer:
         self.window = PredictionWindow(self.engine.buckets)
         # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
         self.emit_times: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self.latencies: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=100)  # (ttft_s, tpot_s)
 
     def render(self, messages: list[dict]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -97,6 +98,7 @@ class EngineServer:
                 finish_reason = FINISH_REASONS.get(out.finish_reason or "", out.finish_reason)
                 if out.finished:
                     self.window.add(req.prediction, out.num_output_tokens, finish_reason)
+                    self._record_latency(emitted)
                 yield {
                     "request_id": out.request_id,
                     "text": out.text_delta,
@@ -107,6 +109,20 @@ class EngineServer:
                 }
         except RequestRejected as exc:
             yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}
+
+    def _record_latency(self, emitted: list[float]) -> None:
+        ttft_s = emitted[1] - emitted[0]
+        tpot_s = (emitted[-1] - emitted[1]) / (len(emitted) - 2) if len(emitted) > 2 else None
+        self.latencies.append((ttft_s, tpot_s))
+
+    def recent_latency_ms(self) -> tuple[float, float]:
+        """p90 TTFT and TPOT (ms) over the last 100 finished requests; 0 before any."""
+        def p90(values: list[float]) -> float:
+            return sorted(values)[int(0.9 * (len(values) - 1))] * 1000 if values else 0.0
+
+        ttfts = [t for t, _ in self.latencies]
+        tpots = [t for _, t in self.latencies if t is not None]
+        return p90(ttfts), p90(tpots)
 
     def _emit_log(self, request_id: str) -> list[float]:
         log = self.emit_times[request_id] = [time.time()]
@@ -122,6 +138,7 @@ class EngineServer:
         except RuntimeError:
             waiting = []
         rates = self.window.rates()
+        ttft_ms, tpot_ms = self.recent_latency_ms()
         return {
             "kv_capacity_tokens": stats.kv_capacity_tokens,
             "kv_used_tokens": stats.kv_used_tokens,
@@ -135,6 +152,8 @@ class EngineServer:
             "predictor_fallbacks": stats.predictor_fallbacks,
             "predictor_within1_acc": None if rates is None else rates[0],
             "predictor_bound_held": None if rates is None else rates[1],
+            "recent_ttft_ms_p90": ttft_ms,
+            "recent_tpot_ms_p90": tpot_ms,
             "reported_at_s": time.time(),
         }
 
@@ -167,6 +186,11 @@ class EngineServerDeployment:
         stats = self.server.routing_stats()
         self.metrics.update(stats)
         return stats
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The numeric routing stats, for Serve's custom autoscaling policies."""
+        stats = self.server.routing_stats()
+        return {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "reported_at_s"}
 
     def check_health(self) -> None:
         if not self.server.aengine.healthy:

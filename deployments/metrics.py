@@ -48,6 +48,8 @@ class PoolMetrics:
         "waiting_predicted_tokens": "Prompt + predicted output tokens of the waiting sequences.",
         "predictor_within1_acc": "Share of recent finished requests whose predicted bucket was within one of the real one.",
         "predictor_bound_held": "Share of recent finished requests whose real length fit the reserved bound.",
+        "recent_ttft_ms_p90": "p90 time to first token in the engine over the last 100 requests.",
+        "recent_tpot_ms_p90": "p90 time per output token in the engine over the last 100 requests.",
     }
     COUNTERS = {"preemptions": "Preemptions (recompute).", "recomputed_tokens": "Tokens recomputed after preemption."}
 

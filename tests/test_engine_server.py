@@ -57,6 +57,9 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
             asyncio.run(asyncio.sleep(0.1))
             stats = serve.get_deployment_handle("online", "engine-test").stats.remote().result()
         assert stats["kv_used_tokens"] == 0 and stats["kv_capacity_tokens"] == 2048
+        assert stats["recent_ttft_ms_p90"] > 0 and stats["recent_tpot_ms_p90"] > 0  # from r1's finished run
+        scaling = serve.get_deployment_handle("online", "engine-test").record_autoscaling_stats.remote().result()
+        assert all(isinstance(v, float) for v in scaling.values()) and scaling["kv_capacity_tokens"] == 2048.0
     finally:
         serve.shutdown()
         ray.shutdown()
