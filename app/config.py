@@ -38,6 +38,7 @@ class EngineConfig(BaseModel):
     aging_tokens_per_s: float = Field(100.0, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited.")
     num_buckets: int = Field(10, ge=1, description="Output-length buckets of the predictor.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks sharding one replica (DeepSpeed AutoTP).")
+    tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / TP.")
     seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
 
@@ -57,6 +58,15 @@ class EngineConfig(BaseModel):
                 f"default_max_tokens ({self.default_max_tokens}) must be below max_model_len_tokens ({self.max_model_len_tokens})"
             )
         return self
+
+    def use_ray_tp_workers(self) -> bool:
+        if self.tp_workers != "auto":
+            return self.tp_workers == "ray"
+        try:
+            import ray
+        except ImportError:
+            return False
+        return ray.is_initialized()
 
     @property
     def model_path(self) -> Path:

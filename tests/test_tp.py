@@ -74,3 +74,53 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly():
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
     assert not any(os.path.exists(_shm_path(tp2.master_port, r)) for r in range(2))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path):
+    """An engine-server replica with tensor_parallel_size 2: its ranks are Ray actors in the replica's
+    placement group (Serve's placement_group_bundles), and it answers what tp=1 answers."""
+    import asyncio
+
+    import ray
+    from ray import serve
+
+    from app import paths
+    from app.engine.engine import LLMEngine
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import EngineServerDeployment
+
+    engine_config = {"kv_cache_tokens": 1024, "torch_threads": 1}
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    local = LLMEngine.from_config(EngineConfig(**engine_config))
+    prompt = local.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    local.add_request(prompt=prompt, sampling=SamplingParams(max_tokens=12, temperature=0.0), request_id="x")
+    expected, expected_tokens = "", 0
+    while local.has_unfinished_requests():
+        for out in local.step():
+            expected, expected_tokens = expected + out.text_delta, out.num_output_tokens
+    del local
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"FORESERVE_HOME": str(home), "HF_HUB_OFFLINE": "1"}})
+    try:
+        app = EngineServerDeployment.options(
+            name="online", ray_actor_options={"num_cpus": 0},
+            placement_group_bundles=[{"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.5}], placement_group_strategy="STRICT_PACK",
+        ).bind("online", {**engine_config, "tensor_parallel_size": 2})
+        handle = serve.run(app, name="tp-test", route_prefix=None).options(stream=True)
+        request = {"messages": messages, "sampling": {"max_tokens": 12, "temperature": 0.0}, "prediction": (0, None, 102)}
+
+        async def collect() -> list[dict]:
+            return [item async for item in handle.generate.remote(request)]
+
+        items = asyncio.run(collect())
+        assert "".join(i["text"] for i in items) == expected and items[-1]["completion_tokens"] == expected_tokens
+        groups = [g for g in ray.util.placement_group_table().values() if len(g["bundles"]) == 3]
+        assert len(groups) == 1 and groups[0]["state"] == "CREATED"
+        assert ray.available_resources().get("CPU", 0) <= 2 - 1.1 + 1e-6  # replica + 2 rank bundles reserved
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -83,10 +83,14 @@ class LLMEngine:
 
         hf_config = AutoConfig.from_pretrained(config.model_path)
         num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.dtype))
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 and config.use_ray_tp_workers():
+            from app.engine.tp_ray import RayTPRunner
+
+            runner: Runner = RayTPRunner(config, num_blocks)
+        elif config.tensor_parallel_size > 1:
             from app.engine.tp import TPRunner
 
-            runner: Runner = TPRunner(config, num_blocks)
+            runner = TPRunner(config, num_blocks)
         else:
             runner = HFRunner(config, num_blocks)
         return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor, feedback=feedback)

@@ -86,31 +86,48 @@ def _error(exc: BaseException) -> tuple[str, object, str]:
         return ("error", RuntimeError(str(exc)), text)
 
 
+def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: int, master_port: int):
+    """Rank-side setup (a process or a Ray actor, with the rank's env vars already set): join the
+    gloo group, shard the model with DeepSpeed AutoTP, wrap it in an ``HFRunner`` over this rank's
+    KV shard."""
+    import torch
+
+    torch.set_num_threads(config.torch_threads or 1)
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # N ranks' bars are noise (and tqdm's lock leaks a semaphore)
+
+    from app.engine.runner import HFRunner, torch_dtype
+
+    dtype = torch_dtype(config.dtype)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
+    engine = deepspeed.init_inference(
+        model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=False
+    )
+    runner = HFRunner(config, num_blocks, model=engine.module, load_tokenizer=False)
+    torch.distributed.barrier()  # every rank has mapped every shm buffer: the names can go
+    _unlink(_shm_path(master_port, rank))
+    return runner
+
+
+def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads: int) -> dict[str, str]:
+    """What one rank needs in its environment (LOCAL_SIZE = world: DeepSpeed's CPU shm all-reduce)."""
+    return {
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world),
+        "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+
+
 def _rank_main(rank: int, world: int, config: EngineConfig, num_blocks: int, conn, env: dict[str, str]) -> None:
     """Entry point of one rank process."""
     os.environ.update(env)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        import torch
-
-        torch.set_num_threads(config.torch_threads or 1)
-        import deepspeed
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # N ranks' bars are noise (and tqdm's lock leaks a semaphore)
-
-        from app.engine.runner import HFRunner, torch_dtype
-
-        dtype = torch_dtype(config.dtype)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
-        engine = deepspeed.init_inference(
-            model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=False
-        )
-        runner = HFRunner(config, num_blocks, model=engine.module, load_tokenizer=False)
-        torch.distributed.barrier()  # every rank has mapped every shm buffer: the names can go
-        _unlink(_shm_path(int(env["MASTER_PORT"]), rank))
+        runner = build_rank_runner(rank, world, config, num_blocks, int(env["MASTER_PORT"]))
         conn.send(("ready", {"num_heads": runner.num_heads, "num_kv_heads": runner.num_kv_heads}, ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the driver
         conn.send(_error(exc))
@@ -178,11 +195,7 @@ class TPRunner(Runner):
         ctx = mp.get_context("spawn")
         self._procs, self._conns = [], []
         for rank in range(world):
-            env = {
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world),
-                "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            }
+            env = rank_env(rank, world, "127.0.0.1", port, threads)
             parent_end, child_end = ctx.Pipe()
             with _environ(env):
                 p = ctx.Process(target=_rank_main, args=(rank, world, self.config, num_blocks, child_end, env),
