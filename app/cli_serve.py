@@ -15,14 +15,14 @@ FORWARDED_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "
                  "MLFLOW_TRACKING_URI", "FORESERVE_API_KEYS")
 
 
-def wait_ready(url: str, timeout_s: float, api_key: str | None = None) -> None:
-    """Poll ``GET /v1/models`` until the app answers (Serve's proxy 503/404s until routes exist)."""
+def wait_ready(url: str, timeout_s: float) -> None:
+    """Poll ``GET /health`` until the app and both pools answer (Serve's proxy 404s until routes exist)."""
     deadline = time.monotonic() + timeout_s
-    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(f"{url}/health")
     while True:
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                if response.status == 200:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                if response.status == 200 and json.loads(response.read()).get("status") == "ok":
                     return
         except OSError:
             pass
@@ -37,7 +37,7 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     from ray import serve
 
     from app.config import DEFAULT_CONFIG_PATH, app_entry, load_app_config, load_yaml
-    from deployments.builder import build_app, deployment_options
+    from deployments.builder import build, deployment_options
 
     t0 = time.perf_counter()
     path = Path(config_path) if config_path else DEFAULT_CONFIG_PATH
@@ -56,11 +56,10 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     ray.init(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
     serve.start(proxy_location=top.get("proxy_location", "HeadOnly"), http_options=http)
-    app = build_app(entry.get("args") or {}, deployment_options(entry))
+    app = build(entry.get("args") or {}, deployment_options(entry))
     serve.run(app, name=entry.get("name", "foreserve"), route_prefix=entry.get("route_prefix", "/"), blocking=False)
     url = f"http://{http['host']}:{http['port']}"
-    keys = config.ingress.api_keys or [k for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k]
-    wait_ready(url, 120, keys[0] if keys else None)
+    wait_ready(url, 120)
     return url, time.perf_counter() - t0, config
 
 

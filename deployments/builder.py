@@ -3,7 +3,7 @@
 ``build_app(args)`` is the Serve app builder that serve_config.yaml names (``import_path:
 deployments.builder:build_app``), so Ray's ``serve run``/``serve deploy`` take the same file as
 ``foreserve serve``. Ray applies the file's ``deployments:`` options itself; ``foreserve serve``
-passes them as ``deployment_options`` (same keys as ``Deployment.options``).
+passes them to ``build`` as ``deployment_options`` (same keys as ``Deployment.options``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def _options(name: str, deployment_options: dict[str, dict] | None) -> dict:
     return options
 
 
-def build_app(args: dict, deployment_options: dict[str, dict] | None = None) -> Application:
+def build_app(args: dict) -> Application:
+    """The Serve app builder (one argument, as Serve requires): ``args`` is an ``AppConfig`` mapping."""
+    return build(args)
+
+
+def build(args: dict, deployment_options: dict[str, dict] | None = None) -> Application:
     """``args``: an ``AppConfig`` mapping (serve_config.yaml's ``args``). ``deployment_options``:
     per deployment name (ingress, predictor, online, offline), Serve options to apply."""
     config = AppConfig.model_validate(args)

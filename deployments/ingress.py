@@ -79,8 +79,25 @@ class Ingress:
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", "model": self.model_id, "predictor_fallbacks": self.predictor_fallbacks}
+    async def health(self) -> JSONResponse:
+        """``ok`` when the predictor and both pools answer within 5 s, else ``degraded`` with what
+        failed (a busy pool can be slow to answer: the ingress itself is up, so always 200). The
+        first call also warms the handles' routing, so the first chat request does not pay it."""
+        async def ask(call, timeout_s: float = 5.0):
+            try:
+                return await asyncio.wait_for(call, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                return {"error": type(exc).__name__}
+
+        pools = {name: await ask(handle.stats.remote()) for name, handle in self.pools.items()}
+        predictor = await ask(self.predictor.info.remote())
+        failed = "error" in predictor or any("error" in p for p in pools.values())
+        keys = ("error", "kv_free_tokens", "num_running", "num_waiting")
+        return JSONResponse({
+            "status": "degraded" if failed else "ok", "model": self.model_id,
+            "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,
+            "pools": {name: {k: p[k] for k in keys if k in p} for name, p in pools.items()},
+        })
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:

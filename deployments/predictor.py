@@ -45,6 +45,7 @@ class LengthPredictorServer:
         predictor = load_predictor_or_max(self.config.source)
         if self.config.bound_quantile is not None and hasattr(predictor, "bound_quantile"):
             predictor.bound_quantile = self.config.bound_quantile
+        predictor.predict(["warm-up"])  # NOTE: the first call is slow (lazy init); not a user's request
         logger.info("length predictor: serving version %s", predictor.version)
         return predictor
 

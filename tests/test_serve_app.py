@@ -93,7 +93,8 @@ def _feedback(served) -> list:
 def test_models_health_and_chat(served):
     client = _client(served)
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
+    health = httpx.get(served["url"] + "/health").json()
+    assert health["status"] == "ok" and health["predictor"]["version"] == "1" and set(health["pools"]) == {"online", "offline"}
 
     raw = client.chat.completions.with_raw_response.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[0]}], max_tokens=16, temperature=0)
