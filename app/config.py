@@ -24,6 +24,7 @@ class EngineConfig(BaseModel):
     model: str = Field("", description="HF model folder; empty means the embedded SmolLM2-135M-Instruct.")
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Model id shown to clients.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
+    device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N: where the runner keeps weights and the KV pool.")
     max_model_len_tokens: int = Field(2048, ge=16, description="Longest prompt + output a sequence may reach.")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none; also the bucket range.")
     kv_cache_tokens: int | None = Field(8192, ge=1, description="KV pool size in tokens (per replica).")

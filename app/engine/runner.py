@@ -28,6 +28,13 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
 
 
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF Llama's rotate-half RoPE on ``[T, heads, head_dim]`` with ``cos/sin: [T, 1, head_dim]``."""
     half = x.shape[-1] // 2
@@ -75,7 +82,10 @@ class HFRunner(Runner):
         self.block_size = config.block_size_tokens
         self.num_blocks = num_blocks
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
+            self.device = resolve_device(config.device)
+            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype).to(self.device)
+        else:  # an already placed (e.g. sharded) model
+            self.device = next(model.parameters()).device
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path) if load_tokenizer else None
         eos = self.model.config.eos_token_id
@@ -100,12 +110,12 @@ class HFRunner(Runner):
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         self.vocab_size = hf.vocab_size
         shape = (len(self.layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed)
         # NOTE: reused gather buffers; a fresh multi-MB tensor per layer costs page faults every step.
-        self._kbuf = torch.empty(0, dtype=self.dtype)
-        self._vbuf = torch.empty(0, dtype=self.dtype)
+        self._kbuf = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._vbuf = torch.empty(0, dtype=self.dtype, device=self.device)
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -122,7 +132,8 @@ class HFRunner(Runner):
         self.sampler.drop(scheduler_output.finished_request_ids)
         sampled: dict[str, int] = {}
         if scheduler_output.chunks:
-            with torch.inference_mode():
+            # NOTE: the step's small index tensors are made on the runner's device
+            with torch.inference_mode(), torch.device(self.device):
                 step = self._prepare(scheduler_output.chunks)
                 logits = self._forward(step)
                 if sample and step.sample_chunks:

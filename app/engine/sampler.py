@@ -41,7 +41,7 @@ class Sampler:
             # NOTE: a request whose output was discarded or that we never saw restarts from a seed
             # derived from (seed, tokens so far), so where it resumes is still deterministic.
             seed = params.seed if params.seed is not None else _mix(self.default_seed, request_id)
-            gen = torch.Generator()
+            gen = torch.Generator(device="cpu")
             gen.manual_seed(seed if num_output_tokens == 0 else _mix(seed, num_output_tokens))
         self._generators[request_id] = (gen, num_output_tokens + 1)
         return gen
@@ -58,9 +58,11 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return tokens.tolist()
-        idx = torch.tensor(random_rows)
-        sub = logits.index_select(0, idx).float()
-        temps = torch.tensor([params[i].temperature for i in random_rows], dtype=sub.dtype)
+        idx = torch.tensor(random_rows, device=logits.device)
+        # NOTE: random rows are drawn on the CPU with per-request CPU generators: the same seed
+        # gives the same tokens whatever the runner's device.
+        sub = logits.index_select(0, idx).float().cpu()
+        temps = torch.tensor([params[i].temperature for i in random_rows], dtype=sub.dtype, device="cpu")
         sub = sub / temps[:, None]
         top_ks = [params[i].top_k for i in random_rows]
         top_ps = [params[i].top_p for i in random_rows]
@@ -79,11 +81,11 @@ class Sampler:
         """Probabilities sorted descending with top-k and top-p applied (one sort for all rows)."""
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks])
-        ranks = torch.arange(vocab)[None, :]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        ps = torch.tensor(top_ps, dtype=probs.dtype)
+        ps = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
         # keep a token while the mass before it is below top_p (the first token always survives)
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= ps[:, None], 0.0)
