@@ -17,6 +17,14 @@ def _env() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline machine
 
 
+def _write_json(path: str | None, report: dict) -> int:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from app.prepare.run import prepare
 
@@ -52,11 +60,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         scheduler=args.scheduler,
     )
     print_table(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return _write_json(args.json, report)
 
 
 def cmd_bench_predictor(args: argparse.Namespace) -> int:
@@ -65,11 +69,7 @@ def cmd_bench_predictor(args: argparse.Namespace) -> int:
     report = run(args.version, args.prompts, args.threads)
     for row in report["results"]:
         print(f"batch {row['batch_size']:>3}: {row['prompts_per_s']:>7} prompts/s ({row['ms_per_batch']} ms per batch)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return _write_json(args.json, report)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -77,11 +77,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     report = run(args.requests, args.max_tokens, args.config)
     print_report(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return _write_json(args.json, report)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,5 +1,2 @@
-"""Ray Serve deployments: ingress, predictor, engine server (one class, two tiers), builder.
-
-So far: the length-predictor deployment (predictor.py) and the engine server (engine_server.py).
-The ingress, the KV-aware router and the builder arrive with the rest of issue #4.
-"""
+"""Ray Serve deployments: ingress (OpenAI API), engine server (one class, two pools), the shared
+length predictor, the KV-aware request router, Prometheus metrics and the app builder."""

@@ -122,6 +122,24 @@ def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads:
     }
 
 
+def setup_driver(runner: Runner, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
+    """The driver-side state both TP runners share (tokenizer, sizes, threads per rank);
+    returns (world size, torch threads per rank)."""
+    from transformers import AutoTokenizer
+
+    runner.tp_size = world = config.tensor_parallel_size
+    if world < 2:
+        raise ValueError(f"{type(runner).__name__} needs tensor_parallel_size >= 2, got {world}; use HFRunner")
+    threads = config.torch_threads or max(1, (os.cpu_count() or 1) // world)
+    runner.config = config.model_copy(update={"torch_threads": threads})
+    runner.num_blocks = num_blocks
+    runner.block_size = config.block_size_tokens
+    runner.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    runner.eos_token_id = runner.tokenizer.eos_token_id
+    runner.broken = False
+    return world, threads
+
+
 def _rank_main(rank: int, world: int, config: EngineConfig, num_blocks: int, conn, env: dict[str, str]) -> None:
     """Entry point of one rank process."""
     os.environ.update(env)
@@ -178,19 +196,9 @@ class TPRunner(Runner):
 
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         import torch.multiprocessing as mp
-        from transformers import AutoTokenizer
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.tp_size = world = config.tensor_parallel_size
-        if world < 2:
-            raise ValueError(f"TPRunner needs tensor_parallel_size >= 2, got {world}; use HFRunner")
-        threads = config.torch_threads or max(1, (os.cpu_count() or 1) // world)
-        self.config = config.model_copy(update={"torch_threads": threads})
-        self.num_blocks = num_blocks
-        self.block_size = config.block_size_tokens
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.eos_token_id = self.tokenizer.eos_token_id
-        self.broken = False
+        world, threads = setup_driver(self, config, num_blocks)
         self.master_port = port = _free_port()
         ctx = mp.get_context("spawn")
         self._procs, self._conns = [], []

@@ -16,7 +16,7 @@ import time
 
 from app.config import EngineConfig
 from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
-from app.engine.tp import STARTUP_TIMEOUT_S, TPGroupError, _free_port, build_rank_runner, rank_env
+from app.engine.tp import STARTUP_TIMEOUT_S, TPGroupError, _free_port, build_rank_runner, rank_env, setup_driver
 
 # Forwarded to the rank actors (Ray's runtime_env replaces the parent's env_vars, not merges).
 FORWARDED_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY")
@@ -43,18 +43,8 @@ class RayTPRunner(Runner):
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from transformers import AutoTokenizer
 
-        self.tp_size = world = config.tensor_parallel_size
-        if world < 2:
-            raise ValueError(f"RayTPRunner needs tensor_parallel_size >= 2, got {world}; use HFRunner")
-        threads = config.torch_threads or max(1, (os.cpu_count() or 1) // world)
-        self.config = config.model_copy(update={"torch_threads": threads})
-        self.num_blocks = num_blocks
-        self.block_size = config.block_size_tokens
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.eos_token_id = self.tokenizer.eos_token_id
-        self.broken = False
+        world, threads = setup_driver(self, config, num_blocks)
         pg = ray.util.get_current_placement_group()
         first = 0
         if pg is not None:
