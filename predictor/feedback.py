@@ -112,30 +112,32 @@ class FeedbackWriter:
         self.close()
 
 
-def scan_feedback(root: Path | None = None, since_s: float | None = None) -> tuple[list[FeedbackRecord], int]:
-    """Read every ``*.jsonl`` in ``root`` (by file name, then line order).
-
-    Returns ``(records, skipped_lines)``: lines that are not valid UTF-8 JSON or not a valid
-    record (e.g. a crashed writer's partial last line) are skipped and counted; blank lines are
-    ignored. ``since_s`` keeps records with ``timestamp_s >= since_s``. A missing root is empty.
-    """
-    root = Path(root) if root is not None else feedback_dir()
-    records: list[FeedbackRecord] = []
+def scan_jsonl(root: Path, model: type[BaseModel]) -> tuple[list, int]:
+    """Every valid ``model`` line of every ``*.jsonl`` in ``root`` (by file name, then line order),
+    and the count of lines skipped because they do not parse or validate (a crashed writer's
+    partial last line). Blank lines are ignored; a missing root is empty."""
+    records: list = []
     skipped_lines = 0
-    if not root.is_dir():
+    if not Path(root).is_dir():
         return records, skipped_lines
-    for path in sorted(root.glob("*.jsonl")):
+    for path in sorted(Path(root).glob("*.jsonl")):
         with open(path, "rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
-                    record = FeedbackRecord.model_validate_json(line)
+                    records.append(model.model_validate_json(line))
                 except (ValidationError, ValueError):
                     skipped_lines += 1
-                    continue
-                if since_s is None or record.timestamp_s >= since_s:
-                    records.append(record)
+    return records, skipped_lines
+
+
+def scan_feedback(root: Path | None = None, since_s: float | None = None) -> tuple[list[FeedbackRecord], int]:
+    """The feedback records under ``root`` (see ``scan_jsonl``) and the skipped-line count;
+    ``since_s`` keeps records with ``timestamp_s >= since_s``."""
+    records, skipped_lines = scan_jsonl(Path(root) if root is not None else feedback_dir(), FeedbackRecord)
+    if since_s is not None:
+        records = [r for r in records if r.timestamp_s >= since_s]
     return records, skipped_lines
 
 

@@ -1,0 +1,99 @@
+"""Batch job input/output: per-line errors, duplicate custom_ids, the default model, an unreadable
+file, and exactly-once results across workers, a crashed writer and a resumed job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.batch_io import ResultStore, error_row, ok_row, read_input
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _line(custom_id: str | None, **body) -> str:
+    item = {"method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], **body}}
+    if custom_id is not None:
+        item["custom_id"] = custom_id
+    return json.dumps(item)
+
+
+def _completion(n: int) -> dict:
+    return {"id": f"chatcmpl-{n}", "object": "chat.completion", "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+
+
+def test_bad_lines_become_error_rows_and_the_first_duplicate_is_answered(tmp_path: Path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([
+        _line("a"),
+        "{not json",
+        _line(None),
+        _line("a", max_tokens=5),
+        _line("b", temperature=9),
+        "",
+        _line("c", model="other-model"),
+        json.dumps({"custom_id": "d", "method": "GET", "url": "/v1/models"}),
+        _line("e", max_tokens=7),
+    ]) + "\n")
+    rows = list(read_input(path, MODEL))
+    assert [r.line for r in rows] == [1, 2, 3, 4, 5, 7, 8, 9]  # the blank line is not a row
+    ok = {r.line: r for r in rows if r.error is None}
+    assert sorted(ok) == [1, 7, 9]
+    assert ok[1].request.model == MODEL and ok[7].request.model == "other-model"  # the served model by default
+    assert ok[9].request.requested_max_tokens() == 7
+    errors = {r.line: (r.custom_id, r.error) for r in rows if r.error is not None}
+    assert errors[2] == (None, "line 2: invalid JSON")
+    assert errors[3] == (None, "line 3: missing custom_id")
+    assert errors[4][0] == "a" and "already used on line 1" in errors[4][1]
+    assert errors[5][0] == "b" and "temperature" in errors[5][1]
+    assert "only POST" in errors[8][1]
+
+
+def test_an_unreadable_input_fails_fast(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(read_input(tmp_path / "missing.jsonl", MODEL))
+
+
+def test_results_exactly_once_across_workers_crashes_and_resume(tmp_path: Path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(_line(f"r{i}") for i in range(6)) + "\n{bad\n")
+    rows = list(read_input(path, MODEL))
+    store = ResultStore(tmp_path / "out")
+    first, second = store.writer(), store.writer()
+    first.append(ok_row(rows[0], _completion(4), predicted_tokens=102))
+    second.append(ok_row(rows[1], _completion(9), predicted_tokens=102))
+    second.append(ok_row(rows[0], _completion(5), predicted_tokens=102))  # a retried worker answers row 1 again
+    with open(first.path, "ab") as f:
+        f.write(b'{"id": "batch_req_3", "custom_id": "r2", "li')  # killed mid-line
+    assert store.done_lines() == {1, 2}
+    with pytest.raises(RuntimeError, match="5 input lines have no result"):
+        store.finalize({r.line for r in rows})
+
+    resumed = store.writer()  # the job resubmitted with the same output dir skips lines 1 and 2
+    for row in rows:
+        if row.line in store.done_lines():
+            continue
+        resumed.append(error_row(row) if row.error else ok_row(row, _completion(row.line), predicted_tokens=204))
+    out = store.finalize({r.line for r in rows})
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == len(rows) == 7 and [x["line"] for x in lines] == [1, 2, 3, 4, 5, 6, 7]
+    assert lines[0]["response"]["body"]["usage"]["completion_tokens"] in (4, 5)  # one of the two answers, once
+    assert lines[1]["custom_id"] == "r1" and lines[1]["output_tokens"] == 9 and lines[1]["predicted_tokens"] == 102
+    assert lines[6]["custom_id"] is None and lines[6]["response"] is None
+    assert lines[6]["error"] == {"code": "invalid_request", "message": "line 7: invalid JSON"}
+
+
+def test_parquet_input_with_json_string_bodies(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    items = [json.loads(_line("p0")), json.loads(_line("p1", max_tokens=3))]
+    table = pa.table({"custom_id": [i["custom_id"] for i in items], "method": ["POST"] * 2,
+                      "url": ["/v1/chat/completions"] * 2, "body": [json.dumps(i["body"]) for i in items]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    rows = list(read_input(tmp_path / "in.parquet", MODEL))
+    assert [(r.custom_id, r.error) for r in rows] == [("p0", None), ("p1", None)]
+    assert rows[1].request.requested_max_tokens() == 3
