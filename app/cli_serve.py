@@ -32,17 +32,17 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 
 def start(config_path: str | None = None, host: str | None = None, port: int | None = None):
-    """Start Ray (local, or ``RAY_ADDRESS``) and deploy the app; returns (url, seconds taken)."""
+    """Start Ray (local, or ``RAY_ADDRESS``) and deploy the app; returns (url, seconds taken, AppConfig)."""
     import ray
     from ray import serve
 
-    from app.config import DEFAULT_CONFIG_PATH, app_entry, load_app_config, load_yaml
+    from app.config import DEFAULT_CONFIG_PATH, AppConfig, app_entry, load_yaml
     from deployments.builder import build, deployment_options
 
     t0 = time.perf_counter()
     path = Path(config_path) if config_path else DEFAULT_CONFIG_PATH
     entry = app_entry(path)
-    config = load_app_config(path)  # fail fast, before starting anything
+    config = AppConfig.model_validate(entry.get("args") or {})  # fail fast, before starting anything
     top = load_yaml(path)
     http = {"host": "127.0.0.1", "port": 8000, **(top.get("http_options") or {})}
     if host:

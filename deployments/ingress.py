@@ -110,7 +110,7 @@ class Ingress:
         try:
             self._authorize(request)
             body = await self._parse(request)
-            tier = "flex" if body.pool == "offline" else "online"
+            tier = body.tier
             response = await self._complete(body)
         except errors.APIError as exc:
             self.metrics.status(tier, exc.status_code)
@@ -184,7 +184,7 @@ class Ingress:
 
     async def _complete(self, body: ChatCompletionRequest):
         t0 = time.perf_counter()
-        tier = "flex" if body.pool == "offline" else "online"
+        tier = body.tier
         text = body.predictor_text()
         prediction = asyncio.ensure_future(self._predict(text, tier))  # overlaps the chat template
         try:

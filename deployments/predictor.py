@@ -108,9 +108,7 @@ class RetrainTrigger:
     def tick(self, predictor) -> None:
         import ray
 
-        from predictor.buckets import LengthBuckets
-        from predictor.feedback import feedback_dir, scan_feedback
-        from predictor.retrain import last_retrain_s, submit_retrain, trigger_reason
+        from predictor.retrain import retrain_due, submit_retrain
 
         if self.running is not None:
             done, _ = ray.wait([self.running], timeout=0)
@@ -126,9 +124,7 @@ class RetrainTrigger:
         spec = getattr(predictor, "spec", None)
         if spec is None:
             return  # no learned champion to continue from
-        since_s = last_retrain_s()
-        new = [r for r in scan_feedback(feedback_dir())[0] if r.timestamp_s > since_s]
-        reason = trigger_reason(new, self.policy, LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets))
+        reason = retrain_due(self.policy, spec)
         if reason is not None:
             logger.info("retraining the predictor: %s", reason)
             self.running = submit_retrain(self.policy)

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from predictor.base import LengthPrediction, LengthPredictor
-from predictor.buckets import LengthBuckets
 from predictor.model import LengthModel, ModelSpec, collate, encode_prompts
 
 
@@ -19,7 +18,7 @@ def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = No
 
     The bound is the upper edge of the first bucket where the predicted CDF reaches the quantile:
     a higher quantile reserves more and preempts less."""
-    buckets = LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets)
+    buckets = spec.buckets
     q = spec.bound_quantile if bound_quantile is None else bound_quantile
     argmax = probs.argmax(axis=1)
     cdf = np.cumsum(probs, axis=1)
@@ -36,7 +35,7 @@ class LearnedPredictor(LengthPredictor):
 
     def __init__(self, model: LengthModel, tokenizer, version: str = "local", batch_size: int = 32,
                  bound_quantile: float | None = None, bf16: bool = True, max_batch_tokens: int = 2048) -> None:
-        super().__init__(LengthBuckets(max_tokens=model.spec.max_tokens, num_buckets=model.spec.num_buckets))
+        super().__init__(model.spec.buckets)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec = model.spec

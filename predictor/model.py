@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from predictor.buckets import LengthBuckets
+
 WEIGHTS = "model.safetensors"
 META = "predictor.json"
 
@@ -37,6 +39,10 @@ class ModelSpec(BaseModel):
     score_mean: float = Field(0.0, description="Mean of log1p(output tokens) on the training set (score scale).")
     score_std: float = Field(1.0, gt=0.0, description="Std of log1p(output tokens) on the training set.")
     bound_quantile: float = Field(0.8, gt=0.0, le=1.0, description="Reservation bound: the upper edge of the bucket where the predicted CDF first reaches this quantile.")
+
+    @property
+    def buckets(self) -> LengthBuckets:
+        return LengthBuckets(max_tokens=self.max_tokens, num_buckets=self.num_buckets)
 
 
 def backbone_path() -> Path:

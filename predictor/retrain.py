@@ -88,6 +88,17 @@ def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets
     return None
 
 
+def records_since_last_retrain(records: list[FeedbackRecord], root: Path | None = None) -> list[FeedbackRecord]:
+    since_s = last_retrain_s(root)
+    return [r for r in records if r.timestamp_s > since_s]
+
+
+def retrain_due(policy: RetrainPolicy, spec, root: Path | None = None) -> str | None:
+    """Why the feedback written since the last retraining calls for another one now, or None."""
+    root = root or feedback_dir()
+    return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], root), policy, spec.buckets)
+
+
 def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tokens: int) -> tuple[list[Example], list[Example]]:
     examples = feedback_examples(records, max_tokens)
     train = [e for e in examples if not is_holdout(e.text, policy.holdout_frac)]
@@ -105,12 +116,11 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
 
     policy = policy or RetrainPolicy()
     root = root or feedback_dir()
-    since_s = 0.0 if force else last_retrain_s(root)
     records, skipped = scan_feedback(root)
-    new = [r for r in records if r.timestamp_s > since_s]
+    new = records if force else records_since_last_retrain(records, root)
     directory, version = registry.download_version()  # cached: no weights loaded unless we retrain
     spec = ModelSpec.model_validate_json((directory / META).read_text())
-    reason = "forced" if force else trigger_reason(new, policy, LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets))
+    reason = "forced" if force else trigger_reason(new, policy, spec.buckets)
     if reason is None:
         return {"retrained": False, "reason": f"trigger not met ({len(new)} new records)", "skipped_lines": skipped}
     train, holdout = split_feedback(records, policy, spec.max_tokens)

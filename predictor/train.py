@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from pydantic import BaseModel, Field
 from tqdm import tqdm
 
-from predictor.buckets import LengthBuckets
 from predictor.dataset import Example
 from predictor.learned import LearnedPredictor, decode
 from predictor.metrics import score_predictions
@@ -87,7 +86,7 @@ def losses(logits, score, targets, z, config: TrainConfig) -> torch.Tensor:
 def evaluate(predictor: LearnedPredictor, examples: list[Example], bound_quantile: float | None = None) -> dict[str, float]:
     probs, scores = predictor.infer([e.text for e in examples])
     argmax, bounds, expected = decode(probs, predictor.spec, bound_quantile if bound_quantile is not None else predictor.bound_quantile)
-    buckets = LengthBuckets(max_tokens=predictor.spec.max_tokens, num_buckets=predictor.spec.num_buckets)
+    buckets = predictor.spec.buckets
     true = np.array([e.output_tokens for e in examples])
     return score_predictions(true, argmax, bounds, expected, scores, buckets)
 
@@ -116,7 +115,7 @@ def train_model(
     else:
         model, tokenizer = init
         spec = model.spec
-    buckets = LengthBuckets(max_tokens=spec.max_tokens, num_buckets=spec.num_buckets)
+    buckets = spec.buckets
     z_all = torch.tensor((logs - spec.score_mean) / spec.score_std, dtype=torch.float32)
     b_all = torch.tensor([buckets.bucket_of(int(min(t, spec.max_tokens))) for t in tokens])
     ids = encode_prompts(tokenizer, [e.text for e in train], spec)

@@ -92,6 +92,11 @@ class ChatCompletionRequest(BaseModel):
         return TIER_TO_POOL[self.service_tier]
 
     @property
+    def tier(self) -> str:
+        """The metrics' tier name: ``flex`` for the offline pool, ``online`` otherwise."""
+        return "flex" if self.pool == "offline" else "online"
+
+    @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
