@@ -9,7 +9,7 @@ Output: every worker appends finished rows to a part file of its own (``parts/``
 ``os.write`` per line, fsync'd: a crash loses at most a partial last line, which readers skip).
 Rows are keyed by their input line number, so a resumed job skips what any part already holds,
 and ``finalize`` writes ``results.jsonl`` with exactly one line per input line, in input order.
-(This module is the I/O half of issue #5; the Ray Data job that fills the parts comes next.)
+The Ray Data job that fills the parts is ``app/batch.py``.
 """
 
 from __future__ import annotations
@@ -133,16 +133,20 @@ class ResultStore:
         # NOTE: the feedback store's per-process append-only writer works for any pydantic row
         return FeedbackWriter(self.parts)
 
+    def answered(self) -> dict[int, ResultRow]:
+        """The first answer of every input line some part holds (what a resumed job skips)."""
+        first: dict[int, ResultRow] = {}
+        for row in scan_jsonl(self.parts, ResultRow)[0]:
+            first.setdefault(row.line, row)  # NOTE: a row answered twice (a retried worker) counts once
+        return first
+
     def done_lines(self) -> set[int]:
-        """Input lines some part already answers (what a resumed job skips)."""
-        return {row.line for row in scan_jsonl(self.parts, ResultRow)[0]}
+        return set(self.answered())
 
     def finalize(self, expected_lines: set[int] | None = None) -> Path:
         """Write ``results.jsonl``: one answer per input line, in input order. With
         ``expected_lines`` (the non-blank input lines), fails unless each of them is answered."""
-        first: dict[int, ResultRow] = {}
-        for row in scan_jsonl(self.parts, ResultRow)[0]:
-            first.setdefault(row.line, row)  # NOTE: a row answered twice (a retried worker) is written once
+        first = self.answered()
         if expected_lines is not None:
             missing = sorted(expected_lines - set(first))
             if missing:

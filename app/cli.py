@@ -174,24 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool", default="online", choices=("online", "offline"), help="which pool's engine settings")
     g.set_defaults(func=cmd_generate)
 
+    from app.cli_batch import add_parser as add_batch_parser
     from app.cli_predictor import add_parser as add_predictor_parser
     from app.cli_serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
     add_predictor_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     _env()
     args = build_parser().parse_args(argv)
-    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats"):
+    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         # NOTE: bad input (a spec, a config, a missing package or file) reads as one line, not
         # a traceback; pydantic's ValidationError is a ValueError and lists every bad field.
         print(f"error: {exc}", file=sys.stderr)

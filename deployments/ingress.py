@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
+from app.api.prompt import chat_prompt
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.config import AppConfig
 from app.engine.request import SamplingParams
@@ -152,23 +153,8 @@ class Ingress:
 
     def _tokenize(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
         """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context."""
-        try:
-            text = self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - a template error is the conversation's fault
-            raise errors.bad_request(f"These messages do not fit the model's chat template: {exc}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        context = self.engine_config.max_model_len_tokens
-        if len(ids) >= context:
-            raise errors.bad_request(
-                f"This model's maximum context length is {context} tokens; your messages take {len(ids)}.",
-                param="messages", code="context_length_exceeded")
-        requested = body.requested_max_tokens()
-        if requested is not None and len(ids) + requested > context:
-            raise errors.bad_request(
-                f"This model's maximum context length is {context} tokens; you requested {len(ids) + requested} "
-                f"({len(ids)} in the messages, {requested} for the completion).",
-                param="max_tokens", code="context_length_exceeded")
-        return ids, requested or min(self.engine_config.default_max_tokens, context - len(ids))
+        config = self.engine_config
+        return chat_prompt(self.tokenizer, body, config.max_model_len_tokens, config.default_max_tokens)
 
     async def _predict(self, text: str, tier: str) -> dict | None:
         """The predictor's answer, or None (reserve max_tokens) if it fails or is too slow."""

@@ -97,3 +97,22 @@ def test_parquet_input_with_json_string_bodies(tmp_path: Path):
     rows = list(read_input(tmp_path / "in.parquet", MODEL))
     assert [(r.custom_id, r.error) for r in rows] == [("p0", None), ("p1", None)]
     assert rows[1].request.requested_max_tokens() == 3
+
+
+def test_submit_fails_fast_on_unreadable_input_before_any_cluster(tmp_path, capsys, monkeypatch):
+    from app import cli, jobs
+
+    monkeypatch.setattr(jobs, "client", lambda *a, **k: pytest.fail("no cluster may be started for a bad input"))
+    assert cli.main(["batch", "submit", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_status_counts_rows_from_parts_while_running(tmp_path):
+    from app.batch import read_status, write_status
+    from app.batch_io import InputRow, ResultStore, error_row
+
+    write_status(tmp_path, state="running", rows_total=3, started_at=1.0)
+    ResultStore(tmp_path).writer().append_many([error_row(InputRow(1, "a", error="x")), error_row(InputRow(1, "a", error="x")),
+                                               error_row(InputRow(3, None, error="y"))])
+    status = read_status(tmp_path)
+    assert status["state"] == "running" and status["rows_total"] == 3 and status["rows_done"] == 2

@@ -1,0 +1,312 @@
+"""The offline batch job on Ray Data: predict every row's output length, order rows by it, generate on
+engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving uses), and write
+OpenAI batch output lines exactly once (``app/batch_io.py``).
+
+Pipeline: input rows → ``PredictStage`` (actor, batched MiniLM) → sort by predicted bound (S3:
+similar lengths travel together) → ``EngineStage`` (an actor pool, one ``LLMEngine`` each; a batch is
+admitted at once so the scheduler packs it by predicted length). Each finished row is appended to the
+actor's own part file as soon as it finishes. An actor killed mid-batch is restarted and its batch
+retried: rows it already wrote are answered again and ``finalize`` keeps the first answer. A job that
+is stopped and run again with the same output directory skips every line a part already answers.
+
+``python -m app.batch INPUT --output DIR`` is the Ray Job's entrypoint (``foreserve batch submit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from app.api.errors import APIError
+from app.batch_io import InputRow, ResultRow, ResultStore, error_row, ok_row, read_input
+from app.config import EngineConfig, load_pool_config
+
+STATUS_FILE = "status.json"
+
+
+class PredictStage:
+    """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns."""
+
+    def __init__(self, source: str = "champion") -> None:
+        from predictor.pipeline import load_predictor_or_max
+
+        self.predictor = load_predictor_or_max(source)
+
+    def __call__(self, batch: dict) -> dict:
+        pred = self.predictor.predict(list(batch["text"]))
+        batch["bucket"] = list(pred.buckets)
+        batch["bound_tokens"] = list(pred.bound_tokens)
+        batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
+        return batch
+
+
+def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, output_tokens: int,
+                    finish_reason: str | None) -> dict:
+    """A finished answer as an OpenAI chat completion (with usage)."""
+    from app.api.schemas import ChatCompletion, Choice, ResponseMessage, Usage
+
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens, total_tokens=prompt_tokens + output_tokens)
+    reason = "length" if finish_reason == "length" else "stop"
+    return ChatCompletion(id=request_id, model=model, usage=usage, service_tier="flex",
+                          choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
+
+
+def _rows(batch: dict):
+    """(row, bucket, bound, predictor text, predictor version) for every row of a predicted batch."""
+    from app.api.schemas import ChatCompletionRequest
+
+    for i, line in enumerate(batch["line"]):
+        row = InputRow(int(line), str(batch["custom_id"][i]), ChatCompletionRequest.model_validate_json(batch["request"][i]))
+        yield row, int(batch["bucket"][i]), int(batch["bound_tokens"][i]), str(batch["text"][i]), str(batch["predictor_version"][i])
+
+
+def _sampling(body, max_tokens: int):
+    from app.engine.request import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stop_list)
+
+
+def _reply(done: list[ResultRow]) -> dict:
+    return {"line": [r.line for r in done], "output_tokens": [r.output_tokens or 0 for r in done]}
+
+
+class EngineStage:
+    """Ray Data actor: runs a batch of rows through its own ``LLMEngine``; each row's result is on
+    disk before the batch returns."""
+
+    def __init__(self, engine: dict, out_dir: str) -> None:
+        from app.engine.engine import LLMEngine
+        from predictor.feedback import FeedbackWriter
+
+        self.config = EngineConfig.model_validate(engine)
+        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
+        self.results = ResultStore(out_dir).writer()
+
+    def _finish(self, row: ResultRow, done: list[ResultRow]) -> None:
+        self.results.append(row)
+        done.append(row)
+
+    def __call__(self, batch: dict) -> dict:
+        from app.api.prompt import chat_prompt
+
+        config, rows, done = self.config, {}, []
+        for row, bucket, bound, text, version in _rows(batch):
+            try:
+                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
+                                              config.default_max_tokens)
+                req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
+                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text,
+                                              predictor_version=version)
+            except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
+                row.error = f"line {row.line}: {exc}"
+                self._finish(error_row(row), done)
+                continue
+            rows[req.request_id] = (row, bound, [])
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                row, bound, texts = rows[out.request_id]
+                texts.append(out.text_delta)
+                if out.finished:
+                    body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
+                                           out.num_output_tokens, out.finish_reason)
+                    self._finish(ok_row(row, body, bound), done)
+        return _reply(done)
+
+
+class ServeStage:
+    """Ray Data actor: sends every row of a batch to a running foreserve app's offline pool (whose
+    replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
+
+    def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
+        from ray import serve
+        from transformers import AutoTokenizer
+
+        self.config = EngineConfig.model_validate(engine)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
+        self.results = ResultStore(out_dir).writer()
+
+    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str) -> ResultRow:
+        from app.api.prompt import chat_prompt
+        from deployments.engine_server import GenerateRequest
+
+        config = self.config
+        try:
+            ids, max_tokens = chat_prompt(self.tokenizer, row.request, config.max_model_len_tokens, config.default_max_tokens)
+        except APIError as exc:
+            row.error = f"line {row.line}: {exc}"
+            return error_row(row)
+        request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
+                                  sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
+                                  predictor_text=text, predictor_version=version)
+        texts, last = [], None
+        for item in self.pool.generate.remote(request.model_dump()):
+            if "error" in item:
+                row.error = f"line {row.line}: {item['error']['message']}"
+                return error_row(row)
+            texts.append(item["text"])
+            last = item
+        body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
+                               last["completion_tokens"], last["finish_reason"])
+        return ok_row(row, body, bound)
+
+    def __call__(self, batch: dict) -> dict:
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        rows = list(_rows(batch))
+        done: list[ResultRow] = []
+        with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
+            for future in as_completed([pool.submit(self._one, *args) for args in rows]):
+                done.append(future.result())
+                self.results.append(done[-1])
+        return _reply(done)
+
+
+def running_app(app_name: str = "foreserve") -> bool:
+    """Whether this Ray cluster runs a foreserve Serve app with an offline pool (checked without
+    starting Serve)."""
+    import ray
+
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    if not any("SERVE_CONTROLLER" in name for name in names):
+        return False
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    return app is not None and "offline" in app.deployments and app.status == "RUNNING"
+
+
+def write_status(out_dir: Path, **fields) -> None:
+    """``status.json`` in the output directory (what ``foreserve batch status`` reads), replaced atomically."""
+    path = Path(out_dir) / STATUS_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.update(fields, updated_at=time.time())
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(old, indent=1))
+    tmp.replace(path)
+
+
+def read_status(out_dir: str | Path) -> dict:
+    """The job's status plus live progress counted from the part files (rows land there as they finish)."""
+    out_dir = Path(out_dir)
+    path = out_dir / STATUS_FILE
+    status = json.loads(path.read_text()) if path.is_file() else {}
+    answered = ResultStore(out_dir).answered()
+    status["rows_done"] = len(answered)
+    tokens = sum(r.output_tokens or 0 for r in answered.values()) - status.get("resumed_output_tokens", 0)
+    started, ended = status.get("started_at"), status.get("finished_at") or time.time()
+    if started and tokens > 0:
+        status["output_tokens_per_s"] = round(tokens / max(ended - started, 1e-9), 2)
+    return status
+
+
+def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batch_size: int = 64,
+            engine_overrides: dict | None = None, predictor: str = "champion", engine_cpus: float = 1.0,
+            backend: str = "auto", app_name: str = "foreserve", progress: bool = True) -> dict:
+    """Run (or resume) a batch job in the current Ray cluster. Returns the summary also written to
+    ``status.json``; ``results.jsonl`` holds one line per non-blank input line, in input order.
+
+    ``backend``: ``actors`` (``replicas`` engine actors of the job's own), ``serve`` (the running
+    app's offline pool) or ``auto`` (serve when that app runs in this cluster)."""
+    import ray
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    overrides = {"scheduler": "offline", "allocation": "reserve_predicted", "tp_workers": "processes", **(engine_overrides or {})}
+    engine = load_pool_config("offline", **overrides)
+    if backend == "auto":
+        backend = "serve" if running_app(app_name) else "actors"
+    store = ResultStore(out_dir)
+    rows = list(read_input(input_path, engine.served_model_name))
+    answered = store.answered()
+    done = set(answered)
+    bad = [r for r in rows if r.error is not None and r.line not in done]
+    store.writer().append_many([error_row(r) for r in bad])
+    todo = [r for r in rows if r.error is None and r.line not in done]
+    write_status(out_dir, state="running", input=str(input_path), backend=backend, rows_total=len(rows), rows_resumed=len(done),
+                 errors=sum(r.error is not None for r in rows), started_at=time.time(), finished_at=None,
+                 resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
+    t0, output_tokens = time.perf_counter(), 0
+    if todo:
+        items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
+                  "text": r.request.predictor_text()} for r in todo]
+        ds = ray.data.from_items(items)
+        ds = ds.map_batches(PredictStage, fn_constructor_kwargs={"source": predictor}, concurrency=1,
+                            batch_size=64, num_cpus=0.25)
+        ds = ds.sort("bound_tokens")
+        stage = {"engine": engine.model_dump(mode="json"), "out_dir": str(out_dir)}
+        # NOTE: Ray Data restarts a dead actor and retries its batch by default (max_restarts=-1)
+        if backend == "serve":
+            ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name}, concurrency=1,
+                                batch_size=batch_size, num_cpus=0.05)
+        else:
+            ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, concurrency=replicas, batch_size=batch_size,
+                                num_cpus=engine_cpus * engine.tensor_parallel_size)
+        with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
+            for batch in ds.iter_batches(batch_size=None):
+                bar.update(len(batch["line"]))
+                output_tokens += int(sum(batch["output_tokens"]))
+    wall_s = time.perf_counter() - t0
+    results = store.finalize({r.line for r in rows})
+    summary = {"backend": backend, "rows": len(rows), "rows_resumed": len(done), "errors": len(bad), "ran": len(todo),
+               "output_tokens": output_tokens, "wall_s": round(wall_s, 2),
+               "output_tokens_per_s": round(output_tokens / wall_s, 2) if todo and wall_s > 0 else 0.0,
+               "results": str(results)}
+    write_status(out_dir, state="succeeded", finished_at=time.time(), summary=summary)
+    return summary
+
+
+def write_parquet(results: Path) -> Path:
+    """``results.parquet`` next to ``results.jsonl`` (bodies as JSON strings: their shape varies)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    for row in rows:
+        for key in ("response", "error"):
+            row[key] = None if row[key] is None else json.dumps(row[key])
+    out = results.with_suffix(".parquet")
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The Ray Job's entrypoint: runs in the cluster that submitted it (``RAY_ADDRESS`` set by Ray Jobs)."""
+    p = argparse.ArgumentParser("python -m app.batch", description="run one foreserve batch job in the current Ray cluster")
+    p.add_argument("input")
+    p.add_argument("--output", required=True)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--predictor", default="champion")
+    p.add_argument("--engine-cpus", type=float, default=1.0)
+    p.add_argument("--engine", default="{}", help="JSON object of EngineConfig overrides")
+    p.add_argument("--backend", choices=["auto", "actors", "serve"], default="auto")
+    p.add_argument("--app-name", default="foreserve")
+    p.add_argument("--parquet", action="store_true")
+    args = p.parse_args(argv)
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    try:
+        overrides = {"tensor_parallel_size": args.tp, **json.loads(args.engine)}
+        summary = run_job(args.input, args.output, args.replicas, args.batch_size, overrides, args.predictor,
+                          args.engine_cpus, args.backend, args.app_name, progress=sys.stderr.isatty())
+    except Exception as exc:
+        write_status(Path(args.output), state="failed", finished_at=time.time(), message=f"{type(exc).__name__}: {exc}")
+        raise
+    if args.parquet:
+        write_parquet(Path(summary["results"]))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
