@@ -2,11 +2,13 @@
 engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving uses), and write
 OpenAI batch output lines exactly once (``app/batch_io.py``).
 
-Pipeline: input rows → ``PredictStage`` (actor, batched MiniLM) → sort by predicted bound (S3:
-similar lengths travel together) → ``EngineStage`` (an actor pool, one ``LLMEngine`` each; a batch is
+Pipeline: input rows → ``PredictStage`` (actor, batched MiniLM) → sorted by predicted bound when
+the job is larger than one round of engine batches (S3: similar lengths travel together) →
+``EngineStage`` (an actor pool, one ``LLMEngine`` each; a batch is
 admitted at once so the scheduler packs it by predicted length). Each finished row is appended to the
 actor's own part file as soon as it finishes. An actor killed mid-batch is restarted and its batch
-retried: rows it already wrote are answered again and ``finalize`` keeps the first answer. A job that
+retried: the retry skips rows a part already answers (and should one be answered twice anyway,
+``finalize`` keeps the first answer). A job that
 is stopped and run again with the same output directory skips every line a part already answers.
 
 ``python -m app.batch INPUT --output DIR`` is the Ray Job's entrypoint (``foreserve batch submit``).
@@ -33,9 +35,11 @@ class PredictStage:
     """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns."""
 
     def __init__(self, source: str = "champion") -> None:
+        t0 = time.perf_counter()
         from predictor.pipeline import load_predictor_or_max
 
         self.predictor = load_predictor_or_max(source)
+        print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def __call__(self, batch: dict) -> dict:
         pred = self.predictor.predict(list(batch["text"]))
@@ -56,11 +60,14 @@ def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, 
                           choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
 
 
-def _rows(batch: dict):
-    """(row, bucket, bound, predictor text, predictor version) for every row of a predicted batch."""
+def _rows(batch: dict, skip: set[int]):
+    """(row, bucket, bound, predictor text, predictor version) for every row of a predicted batch
+    that is not in ``skip`` (lines some part already answers: a retried batch after a crash)."""
     from app.api.schemas import ChatCompletionRequest
 
     for i, line in enumerate(batch["line"]):
+        if int(line) in skip:
+            continue
         row = InputRow(int(line), str(batch["custom_id"][i]), ChatCompletionRequest.model_validate_json(batch["request"][i]))
         yield row, int(batch["bucket"][i]), int(batch["bound_tokens"][i]), str(batch["text"][i]), str(batch["predictor_version"][i])
 
@@ -69,11 +76,13 @@ def _sampling(body, max_tokens: int):
     from app.engine.request import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stop_list)
+                          stop=body.stop_list, ignore_eos=body.ignore_eos)
 
 
-def _reply(done: list[ResultRow]) -> dict:
-    return {"line": [r.line for r in done], "output_tokens": [r.output_tokens or 0 for r in done]}
+def _reply(batch: dict, done: list[ResultRow]) -> dict:
+    """Every line of the batch (rows skipped as already answered count 0 new tokens)."""
+    tokens = {r.line: r.output_tokens or 0 for r in done}
+    return {"line": list(batch["line"]), "output_tokens": [tokens.get(int(line), 0) for line in batch["line"]]}
 
 
 class EngineStage:
@@ -81,12 +90,15 @@ class EngineStage:
     disk before the batch returns."""
 
     def __init__(self, engine: dict, out_dir: str) -> None:
+        t0 = time.perf_counter()
         from app.engine.engine import LLMEngine
         from predictor.feedback import FeedbackWriter
 
         self.config = EngineConfig.model_validate(engine)
         self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
-        self.results = ResultStore(out_dir).writer()
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
+        self.store = ResultStore(out_dir)
+        self.results = self.store.writer()
 
     def _finish(self, row: ResultRow, done: list[ResultRow]) -> None:
         self.results.append(row)
@@ -96,7 +108,7 @@ class EngineStage:
         from app.api.prompt import chat_prompt
 
         config, rows, done = self.config, {}, []
-        for row, bucket, bound, text, version in _rows(batch):
+        for row, bucket, bound, text, version in _rows(batch, self.store.done_lines()):
             try:
                 ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
                                               config.default_max_tokens)
@@ -116,7 +128,7 @@ class EngineStage:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
                                            out.num_output_tokens, out.finish_reason)
                     self._finish(ok_row(row, body, bound), done)
-        return _reply(done)
+        return _reply(batch, done)
 
 
 class ServeStage:
@@ -130,7 +142,8 @@ class ServeStage:
         self.config = EngineConfig.model_validate(engine)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
-        self.results = ResultStore(out_dir).writer()
+        self.store = ResultStore(out_dir)
+        self.results = self.store.writer()
 
     def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str) -> ResultRow:
         from app.api.prompt import chat_prompt
@@ -159,13 +172,13 @@ class ServeStage:
     def __call__(self, batch: dict) -> dict:
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
-        rows = list(_rows(batch))
+        rows = list(_rows(batch, self.store.done_lines()))
         done: list[ResultRow] = []
         with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
             for future in as_completed([pool.submit(self._one, *args) for args in rows]):
                 done.append(future.result())
                 self.results.append(done[-1])
-        return _reply(done)
+        return _reply(batch, done)
 
 
 def running_app(app_name: str = "foreserve") -> bool:
@@ -199,6 +212,7 @@ def read_status(out_dir: str | Path) -> dict:
     status = json.loads(path.read_text()) if path.is_file() else {}
     answered = ResultStore(out_dir).answered()
     status["rows_done"] = len(answered)
+    status["rows_failed"] = sum(r.error is not None for r in answered.values())
     tokens = sum(r.output_tokens or 0 for r in answered.values()) - status.get("resumed_output_tokens", 0)
     started, ended = status.get("started_at"), status.get("finished_at") or time.time()
     if started and tokens > 0:
@@ -206,7 +220,7 @@ def read_status(out_dir: str | Path) -> dict:
     return status
 
 
-def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batch_size: int = 64,
+def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batch_size: int = 256,
             engine_overrides: dict | None = None, predictor: str = "champion", engine_cpus: float = 1.0,
             backend: str = "auto", app_name: str = "foreserve", progress: bool = True) -> dict:
     """Run (or resume) a batch job in the current Ray cluster. Returns the summary also written to
@@ -237,17 +251,26 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     if todo:
         items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
                   "text": r.request.predictor_text()} for r in todo]
-        ds = ray.data.from_items(items)
-        ds = ds.map_batches(PredictStage, fn_constructor_kwargs={"source": predictor}, concurrency=1,
-                            batch_size=64, num_cpus=0.25)
-        ds = ds.sort("bound_tokens")
+        ds = ray.data.from_items(items).map_batches(
+            PredictStage, fn_constructor_kwargs={"source": predictor}, compute=ray.data.ActorPoolStrategy(size=1),
+            batch_size=64, num_cpus=0.25)
+        engines = 1 if backend == "serve" else replicas
+        if len(todo) > batch_size * engines:
+            # S3: with more rows than the engines take at once, similar predicted lengths travel
+            # together so each engine batch finishes evenly (the offline scheduler packs within one).
+            # NOTE: sorted here, not with Dataset.sort: the rows are small and already in this
+            # driver, and sort's 1-CPU tasks cannot be scheduled beside a Serve app on a small node.
+            # A job that fits in one round streams instead: the engine actors start while the
+            # predictor runs.
+            ds = ray.data.from_items(sorted(ds.take_all(), key=lambda r: r["bound_tokens"]))
         stage = {"engine": engine.model_dump(mode="json"), "out_dir": str(out_dir)}
         # NOTE: Ray Data restarts a dead actor and retries its batch by default (max_restarts=-1)
         if backend == "serve":
-            ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name}, concurrency=1,
-                                batch_size=batch_size, num_cpus=0.05)
+            ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name},
+                                compute=ray.data.ActorPoolStrategy(size=1), batch_size=batch_size, num_cpus=0.05)
         else:
-            ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, concurrency=replicas, batch_size=batch_size,
+            ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, compute=ray.data.ActorPoolStrategy(size=replicas),
+                                batch_size=batch_size,
                                 num_cpus=engine_cpus * engine.tensor_parallel_size)
         with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_size=None):
@@ -284,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--predictor", default="champion")
     p.add_argument("--engine-cpus", type=float, default=1.0)
     p.add_argument("--engine", default="{}", help="JSON object of EngineConfig overrides")
@@ -294,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     try:
         overrides = {"tensor_parallel_size": args.tp, **json.loads(args.engine)}
         summary = run_job(args.input, args.output, args.replicas, args.batch_size, overrides, args.predictor,

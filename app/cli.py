@@ -80,6 +80,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return _write_json(args.json, report)
 
 
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from loadtests.batch_job import run_batch_bench
+
+    report = run_batch_bench(args.rows, args.max_tokens, args.kv_tokens, args.predictor, args.repeats, not args.no_kill)
+    print(json.dumps(report, indent=2))
+    return _write_json(args.json, report)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one chat completion from the engine (no server): a quick way to see the model work."""
     import asyncio
@@ -164,6 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", metavar="FILE")
     bs.set_defaults(func=cmd_bench_serve)
 
+    bb = bench.add_parser(
+        "batch", help="a batch job (Ray Jobs + Ray Data) vs bench throughput on the same rows, plus a killed-actor run",
+        description="The first N validation rows, each at its true length capped at --max-tokens (ignore_eos), run "
+        "alternately by bench throughput's reserve_predicted engine and by a batch job with one engine actor of the "
+        "same KV budget and threads; medians and their ratio. A last job has its engine actor killed halfway and must "
+        "answer every row once. Uses the running local Ray cluster, or starts one and stops it after.")
+    bb.add_argument("--rows", type=int, default=64, help="rows (default 64)")
+    bb.add_argument("--max-tokens", type=int, default=256, help="cap on each row's true length (default 256)")
+    bb.add_argument("--kv-tokens", type=int, default=8192, help="KV pool of the engine, both sides (default 8192)")
+    bb.add_argument("--predictor", default="champion", help="champion (default), max, a registry version or a model directory")
+    bb.add_argument("--repeats", type=int, default=1, help="alternating repeats; medians are reported")
+    bb.add_argument("--no-kill", action="store_true", help="skip the killed-actor run")
+    bb.add_argument("--json", metavar="FILE")
+    bb.set_defaults(func=cmd_bench_batch)
+
     g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -187,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _env()
     args = build_parser().parse_args(argv)
-    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size"):
+    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2

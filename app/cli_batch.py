@@ -16,7 +16,8 @@ def _progress_line(report: dict) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     from app import jobs
 
-    extra = ["--batch-size", str(args.batch_size)] + (["--predictor", args.predictor] if args.predictor else [])
+    extra = ["--batch-size", str(args.batch_size), "--engine-cpus", str(args.engine_cpus)]
+    extra += (["--predictor", args.predictor] if args.predictor else []) + (["--engine", args.engine] if args.engine else [])
     job_id = jobs.submit(args.input, args.output, args.job_id, args.replicas, args.tp, args.backend, args.parquet, extra)
     print(f"submitted {job_id} (output: {args.output}); follow it with: foreserve batch status {job_id}")
     if not args.wait:
@@ -84,8 +85,11 @@ def add_parser(sub) -> None:
     s.add_argument("--replicas", type=int, default=1, help="engine actors of the job (backend actors)")
     s.add_argument("--backend", choices=["auto", "actors", "serve"], default="auto",
                    help="actors: the job's own engine actors; serve: the running app's offline pool; auto: serve if it runs")
-    s.add_argument("--batch-size", type=int, default=64, help="rows an engine admits together")
+    s.add_argument("--batch-size", type=int, default=256,
+                   help="rows an engine admits together (its offline scheduler packs them by predicted length)")
     s.add_argument("--predictor", help="champion (default), a registry version, a model dir or max")
+    s.add_argument("--engine", metavar="JSON", help='engine settings over the offline pool\'s, e.g. \'{"kv_cache_tokens": 16384}\'')
+    s.add_argument("--engine-cpus", type=float, default=1.0, help="Ray CPUs per engine actor and TP rank (default 1)")
     s.add_argument("--parquet", action="store_true", help="also write results.parquet")
     s.set_defaults(func=cmd_submit)
     st = batch.add_parser("status", help="a job's state and progress (rows done/total, output tokens/s)")

@@ -54,7 +54,8 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         # (joining a cluster with auth: export RAY_AUTH_TOKEN and RAY_ADDRESS instead).
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    ray.init(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
+    # NOTE: the dashboard serves the Jobs API that batch jobs (and /v1/batches) are submitted to
+    ray.init(runtime_env={"env_vars": env}, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
     serve.start(proxy_location=top.get("proxy_location", "HeadOnly"), http_options=http)
     app = build(entry.get("args") or {}, deployment_options(entry))
     serve.run(app, name=entry.get("name", "foreserve"), route_prefix=entry.get("route_prefix", "/"), blocking=False)

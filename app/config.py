@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
     num_buckets: int = Field(10, ge=1, description="Output-length buckets of the predictor.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks sharding one replica (DeepSpeed AutoTP).")
     tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: cores / TP.")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: torch's (OMP_NUM_THREADS: a Ray actor's CPUs, else the cores; TP ranks: cores / TP).")
     seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
 
     @model_validator(mode="after")
@@ -123,6 +123,7 @@ class IngressConfig(BaseModel):
 
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty (and no FORESERVE_API_KEYS env) means no auth.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
+    max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
 
 

@@ -6,6 +6,9 @@ max_tokens, counted) → the pool's engine (``service_tier`` flex → offline, a
 The first engine item is awaited before any byte is sent, so a pool at its queue limit is a clean
 429 with Retry-After and an engine rejection a clean 400: nothing half-accepted. A client that goes
 away cancels the handle call, which aborts the request in the engine and frees its KV blocks.
+
+OpenAI's Files and Batch API (``/v1/files``, ``/v1/batches``) run foreserve batch jobs (Ray Jobs on
+Ray Data) through this app's offline pool; see ``app/batch_api.py``.
 """
 
 
@@ -18,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -27,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
 from app.api.prompt import chat_prompt
+from app.batch_api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.config import AppConfig
 from app.engine.request import SamplingParams
@@ -77,6 +81,7 @@ class Ingress:
         self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
+        self.batches = BatchStore(app_name=serve.get_replica_context().app_name)
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
@@ -119,6 +124,60 @@ class Ingress:
         self.metrics.status(tier, 200)
         return response
 
+    # -- OpenAI Files and Batch API (app/batch_api.py: batches are foreserve batch jobs) ----------
+    @app.post("/v1/files")
+    async def create_file(self, request: Request) -> dict:
+        self._authorize(request)
+        limit = self.config.ingress.max_file_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(limit)
+        try:
+            form = await request.form(max_files=1, max_part_size=limit)
+        except Exception as exc:  # noqa: BLE001 - a malformed multipart body is the client's
+            raise errors.bad_request(f"Expected a multipart form with `file` and `purpose`: {exc}") from None
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise errors.bad_request("Missing the `file` part.", param="file")
+        content = await upload.read()
+        file = await asyncio.to_thread(self.batches.add_file, upload.filename or "", content, str(form.get("purpose", "")))
+        return file.model_dump()
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(self, file_id: str, request: Request) -> dict:
+        self._authorize(request)
+        return self.batches.get_file(file_id).model_dump()
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request) -> FileResponse:
+        self._authorize(request)
+        return FileResponse(self.batches.file_content(file_id), media_type="application/octet-stream")
+
+    @app.post("/v1/batches")
+    async def create_batch(self, request: Request) -> dict:
+        self._authorize(request)
+        data = await self._json(request, self.config.ingress.max_body_bytes)
+        try:
+            body = BatchCreate.model_validate(data)
+        except ValidationError as exc:
+            raise errors.from_validation_error(exc) from None
+        return (await asyncio.to_thread(self.batches.create, body)).model_dump()
+
+    @app.get("/v1/batches")
+    async def list_batches(self, request: Request, limit: int = 20) -> dict:
+        self._authorize(request)
+        return await asyncio.to_thread(self.batches.list, max(1, min(limit, 100)))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(self, batch_id: str, request: Request) -> dict:
+        self._authorize(request)
+        return (await asyncio.to_thread(self.batches.get, batch_id)).model_dump()
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, batch_id: str, request: Request) -> dict:
+        self._authorize(request)
+        return (await asyncio.to_thread(self.batches.cancel, batch_id)).model_dump()
+
     # -- steps -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -127,8 +186,7 @@ class Ingress:
         if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
             raise errors.unauthorized()
 
-    async def _parse(self, request: Request) -> ChatCompletionRequest:
-        limit = self.config.ingress.max_body_bytes
+    async def _body(self, request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise errors.too_large(limit)
@@ -137,12 +195,20 @@ class Ingress:
             raw += piece
             if len(raw) > limit:
                 raise errors.too_large(limit)
+        return bytes(raw)
+
+    async def _json(self, request: Request, limit: int) -> dict:
+        raw = await self._body(request, limit)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise errors.bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
         if not isinstance(data, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
+        return data
+
+    async def _parse(self, request: Request) -> ChatCompletionRequest:
+        data = await self._json(request, self.config.ingress.max_body_bytes)
         try:
             body = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:
@@ -184,7 +250,7 @@ class Ingress:
             prompt_token_ids=ids,
             num_prompt_tokens=len(ids),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    seed=body.seed, stop=body.stop_list),
+                                    seed=body.seed, stop=body.stop_list, ignore_eos=body.ignore_eos),
             prediction=None if pred is None else (pred["bucket"], pred["probabilities"], pred["bound_tokens"]),
             predictor_text=text,
             predictor_version="max-fallback" if pred is None else pred["version"],

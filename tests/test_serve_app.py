@@ -227,6 +227,47 @@ def test_feedback_retrains_and_the_new_champion_serves(served):
     assert MlflowClient().get_model_version("length-predictor", "2").tags["source"] == "feedback"
 
 
+def test_batch_api_through_the_openai_client(served):
+    """OpenAI's Files + Batch API: a job on the app's offline pool, one output line per input line
+    (a bad line answered with an error), feedback from its rows, 4xx for bad calls."""
+    import openai
+
+    client = _client(served)
+    lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0,
+                                  "messages": [{"role": "user", "content": q}]}}) for i, q in enumerate(SUMS[:4])]
+    lines.insert(2, json.dumps({"method": "POST", "body": {"messages": [{"role": "user", "content": "no id"}]}}))
+    before = {f.request_id for f in _feedback(served)}
+    file = client.files.create(file=("sums.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    assert file.bytes > 0 and file.purpose == "batch"
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"suite": "serve"})
+    assert batch.status == "validating" and batch.metadata == {"suite": "serve"}
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == ["b0", "b1", None, "b2", "b3"]
+    assert "line 3: missing custom_id" in out[2]["error"]["message"]
+    for x, (a, b) in zip([o for o in out if o["error"] is None], [(2, 3), (7, 8), (10, 5), (4, 4)]):
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == x["output_tokens"] <= 12
+        assert body["choices"][0]["message"]["content"].strip()
+    offline = [f for f in _feedback(served) if f.request_id not in before and f.tier == "offline"]
+    assert len(offline) == 4  # batch rows are labels for retraining, like online requests
+    assert client.files.content(file.id).text.splitlines() == lines
+    assert [b.id for b in client.batches.list().data] == [batch.id]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
 def test_a_killed_replica_is_replaced(served):
     import ray
 

@@ -61,6 +61,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool = Field(False, description="vLLM's extension: keep generating past EOS up to max_tokens (benchmarks).")
     service_tier: Literal["auto", "default", "priority", "flex"] | None = None
     user: str | None = None
 
