@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve clean
+.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ bench-predictor: prepare
 
 bench-serve: prepare
 	$(VENV)/bin/foreserve bench serve --requests 20 --max-tokens 32 --json reports/serve_overhead.json
+
+bench-batch: prepare
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench batch --rows 64 --max-tokens 256 --repeats 2 --json reports/bench_batch.json
 
 clean:
 	rm -rf $(VENV) reports

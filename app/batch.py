@@ -247,7 +247,7 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     write_status(out_dir, state="running", input=str(input_path), backend=backend, rows_total=len(rows), rows_resumed=len(done),
                  errors=sum(r.error is not None for r in rows), started_at=time.time(), finished_at=None,
                  resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
-    t0, output_tokens = time.perf_counter(), 0
+    t0 = time.perf_counter()
     if todo:
         items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
                   "text": r.request.predictor_text()} for r in todo]
@@ -275,9 +275,11 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
         with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_size=None):
                 bar.update(len(batch["line"]))
-                output_tokens += int(sum(batch["output_tokens"]))
     wall_s = time.perf_counter() - t0
     results = store.finalize({r.line for r in rows})
+    # what this run generated and kept, counted from the parts (a retried batch reports 0 for rows
+    # an earlier attempt of it had written)
+    output_tokens = sum(r.output_tokens or 0 for line, r in store.answered().items() if line not in done)
     summary = {"backend": backend, "rows": len(rows), "rows_resumed": len(done), "errors": len(bad), "ran": len(todo),
                "output_tokens": output_tokens, "wall_s": round(wall_s, 2),
                "output_tokens_per_s": round(output_tokens / wall_s, 2) if todo and wall_s > 0 else 0.0,
