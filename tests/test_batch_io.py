@@ -116,3 +116,18 @@ def test_status_counts_rows_from_parts_while_running(tmp_path):
                                                error_row(InputRow(3, None, error="y"))])
     status = read_status(tmp_path)
     assert status["state"] == "running" and status["rows_total"] == 3 and status["rows_done"] == 2
+
+
+def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
+    import pyarrow.parquet as pq
+
+    from app.batch import completion_body, write_parquet
+    from app.batch_io import InputRow
+
+    store = ResultStore(tmp_path)
+    body = completion_body("r1", MODEL, "hi", 5, 2, "stop")
+    store.writer().append_many([ok_row(InputRow(2, "b"), body, 8), error_row(InputRow(1, None, error="line 1: invalid JSON"))])
+    table = pq.read_table(write_parquet(store.finalize({1, 2}))).to_pylist()
+    assert [r["line"] for r in table] == [1, 2] and table[0]["response"] is None
+    assert json.loads(table[0]["error"])["message"] == "line 1: invalid JSON"
+    assert json.loads(table[1]["response"])["body"]["usage"]["completion_tokens"] == 2 == table[1]["output_tokens"]
