@@ -248,6 +248,11 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
                  errors=sum(r.error is not None for r in rows), started_at=time.time(), finished_at=None,
                  resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
     t0 = time.perf_counter()
+    ctx = ray.data.DataContext.get_current()
+    # NOTE: on a small node the driver's own work competes with the engine for cores; the job
+    # has its own progress (tqdm, status.json)
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
     if todo:
         items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
                   "text": r.request.predictor_text()} for r in todo]
@@ -269,9 +274,10 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
             ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name},
                                 compute=ray.data.ActorPoolStrategy(size=1), batch_size=batch_size, num_cpus=0.05)
         else:
+            threads = engine.torch_threads or max(1, int(engine_cpus))
             ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, compute=ray.data.ActorPoolStrategy(size=replicas),
-                                batch_size=batch_size,
-                                num_cpus=engine_cpus * engine.tensor_parallel_size)
+                                batch_size=batch_size, num_cpus=engine_cpus * engine.tensor_parallel_size,
+                                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
         with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_size=None):
                 bar.update(len(batch["line"]))
