@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from app.api.errors import APIError
-from app.batch_io import InputRow, ResultRow, ResultStore, error_row, ok_row, read_input
+from app.batch_io import InputRow, ResultRow, ResultStore, error_row, ok_row, read_input, write_json
 from app.config import EngineConfig, load_pool_config
 
 STATUS_FILE = "status.json"
@@ -79,12 +79,6 @@ def _sampling(body, max_tokens: int):
                           stop=body.stop_list, ignore_eos=body.ignore_eos)
 
 
-def _reply(batch: dict, done: list[ResultRow]) -> dict:
-    """Every line of the batch (rows skipped as already answered count 0 new tokens)."""
-    tokens = {r.line: r.output_tokens or 0 for r in done}
-    return {"line": list(batch["line"]), "output_tokens": [tokens.get(int(line), 0) for line in batch["line"]]}
-
-
 class EngineStage:
     """Ray Data actor: runs a batch of rows through its own ``LLMEngine``; each row's result is on
     disk before the batch returns."""
@@ -100,14 +94,10 @@ class EngineStage:
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
 
-    def _finish(self, row: ResultRow, done: list[ResultRow]) -> None:
-        self.results.append(row)
-        done.append(row)
-
     def __call__(self, batch: dict) -> dict:
         from app.api.prompt import chat_prompt
 
-        config, rows, done = self.config, {}, []
+        config, rows = self.config, {}
         for row, bucket, bound, text, version in _rows(batch, self.store.done_lines()):
             try:
                 ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
@@ -117,7 +107,7 @@ class EngineStage:
                                               predictor_version=version)
             except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
                 row.error = f"line {row.line}: {exc}"
-                self._finish(error_row(row), done)
+                self.results.append(error_row(row))
                 continue
             rows[req.request_id] = (row, bound, [])
         while self.engine.has_unfinished_requests():
@@ -127,8 +117,8 @@ class EngineStage:
                 if out.finished:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
                                            out.num_output_tokens, out.finish_reason)
-                    self._finish(ok_row(row, body, bound), done)
-        return _reply(batch, done)
+                    self.results.append(ok_row(row, body, bound))
+        return {"line": batch["line"]}  # NOTE: progress only; the results are in the part files
 
 
 class ServeStage:
@@ -173,12 +163,10 @@ class ServeStage:
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         rows = list(_rows(batch, self.store.done_lines()))
-        done: list[ResultRow] = []
         with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
             for future in as_completed([pool.submit(self._one, *args) for args in rows]):
-                done.append(future.result())
-                self.results.append(done[-1])
-        return _reply(batch, done)
+                self.results.append(future.result())
+        return {"line": batch["line"]}
 
 
 def running_app(app_name: str = "foreserve") -> bool:
@@ -200,9 +188,7 @@ def write_status(out_dir: Path, **fields) -> None:
     path = Path(out_dir) / STATUS_FILE
     old = json.loads(path.read_text()) if path.is_file() else {}
     old.update(fields, updated_at=time.time())
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(old, indent=1))
-    tmp.replace(path)
+    write_json(path, old)
 
 
 def read_status(out_dir: str | Path) -> dict:
@@ -282,10 +268,11 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
             for batch in ds.iter_batches(batch_size=None):
                 bar.update(len(batch["line"]))
     wall_s = time.perf_counter() - t0
-    results = store.finalize({r.line for r in rows})
-    # what this run generated and kept, counted from the parts (a retried batch reports 0 for rows
-    # an earlier attempt of it had written)
-    output_tokens = sum(r.output_tokens or 0 for line, r in store.answered().items() if line not in done)
+    final = store.answered()
+    results = store.finalize({r.line for r in rows}, final)
+    # what this run generated and kept, counted from the parts (a retried batch skips rows an
+    # earlier attempt of it had written)
+    output_tokens = sum(r.output_tokens or 0 for line, r in final.items() if line not in done)
     summary = {"backend": backend, "rows": len(rows), "rows_resumed": len(done), "errors": len(bad), "ran": len(todo),
                "output_tokens": output_tokens, "wall_s": round(wall_s, 2),
                "output_tokens_per_s": round(output_tokens / wall_s, 2) if todo and wall_s > 0 else 0.0,

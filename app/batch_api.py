@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from app import jobs, paths
 from app.api import errors
-from app.batch_io import CHAT_URL
+from app.batch_io import CHAT_URL, write_json
 
 WINDOW_S = 24 * 3600
 
@@ -70,12 +70,6 @@ class Batch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
 class BatchStore:
     """Files and batches of one data dir. ``app_name`` is the Serve app whose offline pool runs the jobs."""
 
@@ -103,7 +97,7 @@ class BatchStore:
         file = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=int(time.time()),
                           filename=filename or "upload.jsonl", purpose=purpose)
         (self.files / f"{file.id}.jsonl").write_bytes(content)
-        _write(self.files / f"{file.id}.json", {**file.model_dump(), "path": str(self.files / f"{file.id}.jsonl")})
+        write_json(self.files / f"{file.id}.json", {**file.model_dump(), "path": str(self.files / f"{file.id}.jsonl")})
         return file
 
     def _file_record(self, file_id: str) -> dict:
@@ -138,7 +132,7 @@ class BatchStore:
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=request.endpoint, input_file_id=request.input_file_id,
                       completion_window=request.completion_window, status="validating", created_at=now,
                       expires_at=now + WINDOW_S, metadata=request.metadata)
-        _write(self._record_path(batch.id), batch.model_dump())
+        write_json(self._record_path(batch.id), batch.model_dump())
         jobs.submit(source, self.root / batch.id, batch.id, backend="serve", extra_args=["--app-name", self.app_name],
                     jobs=self.jobs())
         return batch
@@ -173,7 +167,7 @@ class BatchStore:
             results = self.root / batch_id / "results.jsonl"
             file = FileObject(id=file_id, bytes=results.stat().st_size, created_at=int(time.time()),
                               filename=f"{batch_id}_output.jsonl", purpose="batch_output")
-            _write(record, {**file.model_dump(), "path": str(results)})
+            write_json(record, {**file.model_dump(), "path": str(results)})
         return file_id
 
     def cancel(self, batch_id: str) -> Batch:
@@ -183,7 +177,7 @@ class BatchStore:
             raise errors.APIError(409, f"Batch {batch_id} is already {batch.status}.", code="batch_not_cancellable")
         jobs.stop(batch_id, self.jobs())
         record["cancelling_at"] = int(time.time())
-        _write(self._record_path(batch_id), record)
+        write_json(self._record_path(batch_id), record)
         return self.get(batch_id)
 
     def list(self, limit: int = 20) -> dict:

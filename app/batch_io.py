@@ -111,6 +111,13 @@ def read_input(path: str | Path, default_model: str) -> Iterator[InputRow]:
             yield _parse(line_no, text, seen, default_model)
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Replace ``path`` with ``data`` as JSON atomically (readers see the old or the new file)."""
+    tmp = path.with_suffix(path.suffix + ".partial")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def error_row(row: InputRow, code: str = "invalid_request") -> ResultRow:
     return ResultRow(id=f"batch_req_{row.line}", custom_id=row.custom_id, line=row.line,
                      error=BatchError(code=code, message=row.error or "failed"))
@@ -143,10 +150,11 @@ class ResultStore:
     def done_lines(self) -> set[int]:
         return set(self.answered())
 
-    def finalize(self, expected_lines: set[int] | None = None) -> Path:
+    def finalize(self, expected_lines: set[int] | None = None, answered: dict[int, ResultRow] | None = None) -> Path:
         """Write ``results.jsonl``: one answer per input line, in input order. With
-        ``expected_lines`` (the non-blank input lines), fails unless each of them is answered."""
-        first = self.answered()
+        ``expected_lines`` (the non-blank input lines), fails unless each of them is answered.
+        ``answered``: what ``answered()`` just returned, if the caller has it (saves a scan)."""
+        first = self.answered() if answered is None else answered
         if expected_lines is not None:
             missing = sorted(expected_lines - set(first))
             if missing:

@@ -41,7 +41,8 @@ def write_rows(path: Path, rows: int, max_tokens: int) -> int:
     return sum(r.output_tokens for r in requests)
 
 
-def _engine_actor_pid() -> int | None:
+def engine_actor_pid() -> int | None:
+    """A batch job's engine actor worker process (Ray titles it ``ray::MapWorker(MapBatches(EngineStage))...``)."""
     import psutil
 
     for proc in psutil.process_iter(["cmdline"]):
@@ -67,7 +68,7 @@ def run_job(jobs, client, source: Path, out: Path, engine: dict, predictor: str,
 
     def killer() -> None:
         while not killed and jobs.status(job_id, client)["ray_status"] not in jobs.TERMINAL:
-            if read_status(out).get("rows_done", 0) >= kill_at and (pid := _engine_actor_pid()):
+            if read_status(out).get("rows_done", 0) >= kill_at and (pid := engine_actor_pid()):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             time.sleep(0.5)
@@ -80,8 +81,8 @@ def run_job(jobs, client, source: Path, out: Path, engine: dict, predictor: str,
         thread.join(5)
     if report["ray_status"] != "SUCCEEDED":
         raise RuntimeError(f"batch job {job_id} {report['ray_status']}: {report.get('message')} (ray job logs {report['ray_job_id']})")
-    finished = sorted(json.loads(x)["response"]["body"]["created"] for x in Path(report["summary"]["results"]).read_text().splitlines()
-                      if json.loads(x)["response"])
+    lines = [json.loads(x) for x in Path(report["summary"]["results"]).read_text().splitlines()]
+    finished = sorted(x["response"]["body"]["created"] for x in lines if x["response"])
     startup_s = finished[0] - report["started_at"] if finished else None  # job start → first row done (second resolution)
     return {"job_id": job_id, "killed_engine_actor": bool(killed), "first_row_s": startup_s, **report["summary"]}
 

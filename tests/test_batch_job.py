@@ -104,21 +104,12 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
         ray.shutdown()
 
 
-def _engine_actor_pid() -> int | None:
-    """The engine actor's worker process (Ray titles it ``ray::MapWorker(MapBatches(EngineStage))...``)."""
-    import psutil
-
-    for proc in psutil.process_iter(["cmdline"]):
-        if any("EngineStage" in part for part in proc.info["cmdline"] or []):
-            return proc.pid
-    return None
-
-
 def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
     from app.batch import run_job
     from app.batch_io import ResultStore
+    from loadtests.batch_job import engine_actor_pid
 
     env = _home(tmp_path, monkeypatch)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -128,7 +119,7 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
     def kill_after_first_rows() -> None:  # SIGKILL the engine actor once it has written a row
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
-            if ResultStore(out).done_lines() and (pid := _engine_actor_pid()):
+            if ResultStore(out).done_lines() and (pid := engine_actor_pid()):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             time.sleep(0.2)
