@@ -132,14 +132,30 @@ class BatchStore:
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=request.endpoint, input_file_id=request.input_file_id,
                       completion_window=request.completion_window, status="validating", created_at=now,
                       expires_at=now + WINDOW_S, metadata=request.metadata)
+        try:  # NOTE: the record is written once the job exists, so no batch is left without one
+            jobs.submit(source, self.root / batch.id, batch.id, backend="serve", extra_args=["--app-name", self.app_name],
+                        jobs=self.jobs())
+        except jobs.JobError as exc:
+            raise errors.unavailable(f"The batch job could not be submitted: {exc}") from None
         write_json(self._record_path(batch.id), batch.model_dump())
-        jobs.submit(source, self.root / batch.id, batch.id, backend="serve", extra_args=["--app-name", self.app_name],
-                    jobs=self.jobs())
         return batch
+
+    def _report(self, batch_id: str) -> dict:
+        """The Ray job's state and the job's progress; when Ray no longer knows the job (its
+        cluster restarted), what the job left on disk: completed if it finished, else failed."""
+        try:
+            return jobs.status(batch_id, self.jobs())
+        except jobs.JobError:
+            from app.batch import read_status
+
+            report = read_status(self.root / batch_id)
+            finished = report.get("state") == "succeeded" and (self.root / batch_id / "results.jsonl").is_file()
+            message = "the batch's Ray job is gone (the cluster restarted before it finished); create the batch again"
+            return {**report, "ray_status": "SUCCEEDED" if finished else "FAILED", "message": message}
 
     def get(self, batch_id: str) -> Batch:
         batch = Batch.model_validate(self._record(batch_id))
-        report = jobs.status(batch_id, self.jobs())
+        report = self._report(batch_id)
         state = report["ray_status"]
         batch.request_counts = RequestCounts(total=report.get("rows_total", 0), failed=report.get("rows_failed", 0),
                                              completed=report.get("rows_done", 0) - report.get("rows_failed", 0))

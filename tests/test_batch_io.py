@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.batch_io import ResultStore, error_row, ok_row, read_input
+from app.batch_io import InputRow, ResultStore, error_row, ok_row, read_input
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -131,3 +131,37 @@ def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
     assert [r["line"] for r in table] == [1, 2] and table[0]["response"] is None
     assert json.loads(table[0]["error"])["message"] == "line 1: invalid JSON"
     assert json.loads(table[1]["response"])["body"]["usage"]["completion_tokens"] == 2 == table[1]["output_tokens"]
+
+
+def test_batch_api_without_a_ray_job_loses_nothing(tmp_path: Path, monkeypatch):
+    """A submit that fails leaves no batch behind (503); a batch whose Ray job is gone (cluster
+    restarted) reports what its job left on disk instead of failing the request."""
+    from app import jobs
+    from app.api.errors import APIError
+    from app.batch import write_status
+    from app.batch_api import BatchCreate, BatchStore
+
+    def gone(*_a, **_k):
+        raise jobs.JobError("no batch job")
+
+    monkeypatch.setattr(jobs, "client", lambda *a, **k: object())
+    store = BatchStore(tmp_path)
+    file = store.add_file("in.jsonl", b'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n', "batch")
+    request = BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions")
+    monkeypatch.setattr(jobs, "submit", gone)
+    with pytest.raises(APIError) as exc:
+        store.create(request)
+    assert exc.value.status_code == 503 and not list(tmp_path.glob("batch_*.json"))
+
+    monkeypatch.setattr(jobs, "submit", lambda *a, **k: "ok")
+    done, lost = store.create(request), store.create(request)
+    monkeypatch.setattr(jobs, "status", gone)
+    out = tmp_path / done.id
+    out.mkdir()  # (jobs.submit makes it)
+    write_status(out, state="succeeded", rows_total=1, started_at=1.0, finished_at=2.0)
+    ResultStore(out).writer().append_many([error_row(InputRow(1, "a", error="x"))])
+    ResultStore(out).finalize({1})
+    got = store.get(done.id)
+    assert got.status == "completed" and got.output_file_id and got.request_counts.total == 1
+    failed = store.get(lost.id)
+    assert failed.status == "failed" and "cluster restarted" in failed.errors["data"][0]["message"]
