@@ -121,6 +121,9 @@ class EngineStage:
         return {"line": batch["line"]}  # NOTE: progress only; the results are in the part files
 
 
+SERVE_ATTEMPTS = 3  # a row whose offline replica goes away under it is sent again this many times in all
+
+
 class ServeStage:
     """Ray Data actor: sends every row of a batch to a running foreserve app's offline pool (whose
     replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
@@ -148,13 +151,22 @@ class ServeStage:
         request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
                                   sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
                                   predictor_text=text, predictor_version=version)
-        texts, last = [], None
-        for item in self.pool.generate.remote(request.model_dump()):
-            if "error" in item:
-                row.error = f"line {row.line}: {item['error']['message']}"
-                return error_row(row)
-            texts.append(item["text"])
-            last = item
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        for attempt in range(1, SERVE_ATTEMPTS + 1):
+            texts, last = [], None
+            try:
+                for item in self.pool.generate.remote(request.model_dump()):
+                    if "error" in item:
+                        row.error = f"line {row.line}: {item['error']['message']}"
+                        return error_row(row)
+                    texts.append(item["text"])
+                    last = item
+                break
+            except (RayActorError, ActorUnavailableError):
+                # NOTE: the replica was drained by a scale-down (or died): requeue the row, recompute it
+                if attempt == SERVE_ATTEMPTS:
+                    raise
         body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
                                last["completion_tokens"], last["finish_reason"])
         return ok_row(row, body, bound)

@@ -24,6 +24,8 @@ from app.engine.engine import FINISH_REASONS, LLMEngine, RequestRejected
 from app.engine.request import SamplingParams
 from predictor.buckets import LengthBuckets
 
+LATENCY_WINDOW_S = 30.0  # recent_ttft_ms_p90 / recent_tpot_ms_p90 cover requests finished this recently
+
 
 class GenerateRequest(BaseModel):
     """What the ingress hands a pool (already validated against the OpenAI schema)."""
@@ -73,7 +75,10 @@ class EngineServer:
         self.window = PredictionWindow(self.engine.buckets)
         # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
         self.emit_times: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
-        self.latencies: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=100)  # (ttft_s, tpot_s)
+        # (observed at, seconds) of recent first tokens and finished requests' TPOT: the autoscaler's
+        # SLO signals over a time window
+        self.ttfts: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)
+        self.tpots: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)
 
     def render(self, messages: list[dict]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -95,6 +100,8 @@ class EngineServer:
         try:
             async for out in stream:
                 emitted.append(time.time())
+                if len(emitted) == 2:  # the first token: TTFT counts now, not when the answer ends
+                    self.ttfts.append((emitted[1], emitted[1] - emitted[0]))
                 finish_reason = FINISH_REASONS.get(out.finish_reason or "", out.finish_reason)
                 if out.finished:
                     self.window.add(req.prediction, out.num_output_tokens, finish_reason)
@@ -111,18 +118,27 @@ class EngineServer:
             yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}
 
     def _record_latency(self, emitted: list[float]) -> None:
-        ttft_s = emitted[1] - emitted[0]
-        tpot_s = (emitted[-1] - emitted[1]) / (len(emitted) - 2) if len(emitted) > 2 else None
-        self.latencies.append((ttft_s, tpot_s))
+        if len(emitted) > 2:
+            self.tpots.append((emitted[-1], (emitted[-1] - emitted[1]) / (len(emitted) - 2)))
 
-    def recent_latency_ms(self) -> tuple[float, float]:
-        """p90 TTFT and TPOT (ms) over the last 100 finished requests; 0 before any."""
-        def p90(values: list[float]) -> float:
-            return sorted(values)[int(0.9 * (len(values) - 1))] * 1000 if values else 0.0
+    def recent_latency_ms(self, window_s: float = LATENCY_WINDOW_S) -> tuple[float, float]:
+        """p90 TTFT of the first tokens and p90 TPOT of the requests finished in the last ``window_s``
+        (ms; 0 if none).
 
-        ttfts = [t for t, _ in self.latencies]
-        tpots = [t for _, t in self.latencies if t is not None]
-        return p90(ttfts), p90(tpots)
+        NOTE: a time window, not the last N requests: after a burst the signal must decay even when
+        no request finishes (an idle pool is calm), or the autoscaler would see the burst forever."""
+        def p90(samples: collections.deque) -> float:
+            values = sorted(v for t, v in list(samples) if t >= since)
+            return values[int(0.9 * (len(values) - 1))] * 1000 if values else 0.0
+
+        since = time.time() - window_s
+        return p90(self.ttfts), p90(self.tpots)
+
+    def oldest_pending_ms(self, requests: list) -> float:
+        """How long the oldest request still without its first token has waited (ms): TTFT pressure
+        seen while it builds up, before any of those requests has a TTFT to report."""
+        pending = [r.arrival_s for r in requests if not r.output_token_ids]
+        return max(0.0, (self.engine.clock() - min(pending)) * 1000) if pending else 0.0
 
     def _emit_log(self, request_id: str) -> list[float]:
         log = self.emit_times[request_id] = [time.time()]
@@ -133,10 +149,11 @@ class EngineServer:
     def routing_stats(self) -> dict:
         """KV left after what is promised, waiting predicted work: the router's and autoscaler's inputs."""
         stats = self.engine.stats()
-        try:  # NOTE: read from the Serve thread while the engine thread mutates the queue
+        try:  # NOTE: read from the Serve thread while the engine thread mutates the queues
             waiting = list(self.engine.scheduler.waiting)
+            running = list(self.engine.scheduler.running)
         except RuntimeError:
-            waiting = []
+            waiting, running = [], []
         rates = self.window.rates()
         ttft_ms, tpot_ms = self.recent_latency_ms()
         return {
@@ -154,6 +171,9 @@ class EngineServer:
             "predictor_bound_held": None if rates is None else rates[1],
             "recent_ttft_ms_p90": ttft_ms,
             "recent_tpot_ms_p90": tpot_ms,
+            "oldest_pending_ms": self.oldest_pending_ms(waiting + running),
+            "ttft_slo_ms": self.config.ttft_slo_ms,
+            "tpot_slo_ms": self.config.tpot_slo_ms,
             "reported_at_s": time.time(),
         }
 

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +39,11 @@ from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
+
+# A replica that went away under a request (drained by a scale-down past graceful_shutdown_timeout_s,
+# or died): the request is sent again and recomputed from its prompt, like a preempted sequence.
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+REQUEUE_ATTEMPTS = 3
 async def _rest(stream, first: dict) -> AsyncIterator[dict]:
     """The first item (already received) followed by the rest of the stream."""
     yield first
@@ -255,8 +261,7 @@ class Ingress:
             predictor_text=text,
             predictor_version="max-fallback" if pred is None else pred["version"],
         )
-        stream = self.pools[body.pool].options(stream=True).generate.remote(request.model_dump())
-        first = await self._first_item(stream, body.pool)
+        stream, first = await self._start(request, body.pool)
         result = ChatResult(request.request_id, self.model_id, tier, t0, first)
         headers = {
             "x-foreserve-request-id": request.request_id,
@@ -268,20 +273,48 @@ class Ingress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream_events(stream, result, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        try:
-            async for item in _rest(stream, first):
-                result.add(item)
-        except Exception as exc:  # noqa: BLE001 - the replica died mid-answer
-            stream.cancel()
-            raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
+        for attempt in range(1, REQUEUE_ATTEMPTS + 1):
+            try:
+                async for item in _rest(stream, first):
+                    result.add(item)
+                break
+            except REPLICA_LOST as exc:  # drained by a scale-down, or died: requeue, recompute from the prompt
+                stream.cancel()
+                if attempt == REQUEUE_ATTEMPTS:
+                    raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
+                logger.warning("%s lost its %s replica mid-answer (%s); requeued", request.request_id, body.pool,
+                               type(exc).__name__)
+                stream, first = await self._start(request, body.pool)
+                result = ChatResult(request.request_id, self.model_id, tier, t0, first)
+            except Exception as exc:  # noqa: BLE001 - anything else mid-answer: retryable for the client
+                stream.cancel()
+                raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
         self._observe(result)
         return JSONResponse(completion(result).model_dump(), headers=headers)
+
+    async def _start(self, request: GenerateRequest, pool: str) -> tuple:
+        """Send ``request`` to ``pool``; (stream, first item). A replica lost before the first item
+        (a scale-down drained it, or it died) is retried on the pool, up to ``REQUEUE_ATTEMPTS``."""
+        for attempt in range(1, REQUEUE_ATTEMPTS + 1):
+            stream = self.pools[pool].options(stream=True).generate.remote(request.model_dump())
+            try:
+                return stream, await self._first_item(stream, pool)
+            except REPLICA_LOST as exc:
+                stream.cancel()
+                if attempt == REQUEUE_ATTEMPTS:
+                    logger.exception("%s pool failed before the first token", pool)
+                    raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
+                logger.warning("%s lost its %s replica before the first token (%s); requeued",
+                               request.request_id, pool, type(exc).__name__)
+        raise AssertionError("unreachable")
 
     async def _first_item(self, stream, pool: str) -> dict:
         try:
             first = await stream.__anext__()
         except BackPressureError:
             raise errors.overloaded(self.config.ingress.retry_after_s, pool) from None
+        except REPLICA_LOST:
+            raise
         except Exception as exc:  # noqa: BLE001 - a dead or missing replica: retryable, not a 500
             logger.exception("%s pool failed before the first token", pool)
             raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None

@@ -48,8 +48,9 @@ class PoolMetrics:
         "waiting_predicted_tokens": "Prompt + predicted output tokens of the waiting sequences.",
         "predictor_within1_acc": "Share of recent finished requests whose predicted bucket was within one of the real one.",
         "predictor_bound_held": "Share of recent finished requests whose real length fit the reserved bound.",
-        "recent_ttft_ms_p90": "p90 time to first token in the engine over the last 100 requests.",
-        "recent_tpot_ms_p90": "p90 time per output token in the engine over the last 100 requests.",
+        "recent_ttft_ms_p90": "p90 time to first token in the engine, requests finished in the last 30 s.",
+        "recent_tpot_ms_p90": "p90 time per output token in the engine, requests finished in the last 30 s.",
+        "oldest_pending_ms": "How long the oldest request still without its first token has waited.",
     }
     COUNTERS = {"preemptions": "Preemptions (recompute).", "recomputed_tokens": "Tokens recomputed after preemption."}
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from predictor.base import LengthPrediction, LengthPredictor
-from predictor.model import LengthModel, ModelSpec, collate, encode_prompts
+from predictor.model import LengthModel, ModelSpec, collate, cpu_has_fast_bf16, encode_prompts
 
 
 def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,7 +34,7 @@ class LearnedPredictor(LengthPredictor):
     name = "learned"
 
     def __init__(self, model: LengthModel, tokenizer, version: str = "local", batch_size: int = 32,
-                 bound_quantile: float | None = None, bf16: bool = True, max_batch_tokens: int = 2048) -> None:
+                 bound_quantile: float | None = None, bf16: bool | None = None, max_batch_tokens: int = 2048) -> None:
         super().__init__(model.spec.buckets)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -42,7 +42,7 @@ class LearnedPredictor(LengthPredictor):
         self.version = version
         self.batch_size = batch_size
         self.bound_quantile = self.spec.bound_quantile if bound_quantile is None else bound_quantile
-        self.bf16 = bf16
+        self.bf16 = cpu_has_fast_bf16() if bf16 is None else bf16  # None: when the CPU has native bf16
         self.max_batch_tokens = max_batch_tokens
         self._lock = threading.Lock()
 

@@ -26,6 +26,17 @@ WEIGHTS = "model.safetensors"
 META = "predictor.json"
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX).
+
+    NOTE: elsewhere (plain AVX2) bf16 autocast falls back to a scalar GEMM that is ~10x slower than
+    float32: measured here, one quick-recipe training batch took 35 s instead of 3 s."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probes: assume the safe float32 path
+        return False
+
+
 class ModelSpec(BaseModel):
     """Everything needed to rebuild a model and feed it exactly as it was trained."""
 

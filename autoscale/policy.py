@@ -1,0 +1,194 @@
+"""foreserve's autoscaling: per-pool targets and the elastic split of one replica budget.
+
+Built on Ray Serve's custom autoscaling API. ``ElasticPolicy`` is the application-level policy
+(serve_config.yaml: ``autoscaling_policy``): each tick Serve hands it every autoscaled deployment's
+``AutoscalingContext`` and applies what it returns through the deployment's own ``upscale_delay_s``
+/ ``downscale_delay_s`` (the cooldowns), scaling factors and min/max bounds. ``OnlinePolicy`` and
+``OfflinePolicy`` are the same rules as deployment-level policies, for a pool deployed alone.
+
+- Online grows on SLO pressure: p90 TTFT or TPOT of recent requests, or the wait of the oldest
+  request still without its first token, above ``scale_up_slo_ratio`` of the SLO; or KV demand (held blocks, reservations
+  included, plus the waiting requests' prompt + predicted output) above ``scale_up_kv_util``; or
+  requests queueing at the handles. It shrinks one replica at a time only when every signal is
+  below its ``calm_*`` level: the gap between the two levels is the hysteresis.
+- Offline sizes to its backlog of predicted tokens, and keeps ``offline_idle_replicas`` warm.
+- Elasticity: online comes first. While online is under pressure the offline pool gives up one
+  replica per tick down to its min_replicas (which may be 0); it grows back only after online has
+  been calm for ``calm_s``, and never beyond the budget online leaves. Serve drains removed replicas
+  (``graceful_shutdown_timeout_s``); what does not finish in time is retried by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoscale.decisions import Decision, DecisionLog, default_log_path
+from autoscale.signals import PoolSignals, pool_signals
+
+LAST_PRESSURE_KEY = "foreserve_last_pressure_s"
+
+
+class ScalingConfig(BaseModel):
+    """Thresholds of the policies (``policy_kwargs`` in serve_config.yaml). Ratios are unitless."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scale_up_slo_ratio: float = Field(0.8, gt=0, description="Online grows when p90 TTFT, p90 TPOT or the wait of the oldest request without a first token passes this share of the pool's SLO.")
+    calm_slo_ratio: float = Field(0.4, ge=0, description="Online counts as calm below this share of its SLOs (and KV demand below calm_kv_util): it may shrink, offline may grow back.")
+    scale_up_kv_util: float = Field(0.9, gt=0, description="Online grows when KV held (reservations included) plus waiting predicted tokens pass this share of its KV capacity.")
+    calm_kv_util: float = Field(0.5, ge=0, description="Online KV demand below this share counts as calm.")
+    offline_backlog_tokens_per_replica: int = Field(32768, gt=0, description="Offline wants one replica per this many tokens of backlog (KV held + waiting prompt and predicted output tokens).")
+    offline_idle_replicas: int = Field(1, ge=0, description="Offline replicas kept while online is calm even without backlog (warm for flex work); 0 lets the pool idle at its min_replicas.")
+    calm_s: float = Field(20.0, ge=0, description="Online must have been calm this long before the offline pool grows back.")
+    replica_budget: int | None = Field(None, ge=1, description="Engine replicas the cluster holds, online + offline (e.g. GPUs / tensor_parallel_size); empty: the pools' max_replicas summed, i.e. no sharing.")
+    online_deployment: str = Field("online", description="Name of the online pool's deployment.")
+    offline_deployment: str = Field("offline", description="Name of the offline pool's deployment.")
+    decision_log: str | None = Field(None, description="JSONL file of decisions; empty: $FORESERVE_HOME/autoscale/decisions.jsonl.")
+
+    def model_post_init(self, _context) -> None:
+        if self.calm_slo_ratio >= self.scale_up_slo_ratio or self.calm_kv_util >= self.scale_up_kv_util:
+            raise ValueError("calm_* thresholds must be below their scale_up_* counterparts (that gap is the hysteresis)")
+
+
+def online_decision(sig: PoolSignals, cfg: ScalingConfig) -> tuple[Decision, bool]:
+    """(decision, under_pressure) for the online pool, before the budget and bounds."""
+    n = max(sig.replicas, 1)
+    signals = sig.summary()
+    if sig.replicas == 0:
+        # NOTE: not pressure: Serve starts the first replica itself, and at startup every pool is at 0
+        desired = 1 if sig.queued_requests else 0
+        return Decision("online", 0, desired, "cold_start" if desired else "idle", signals=signals), False
+    slo_load = sig.slo_ratio / cfg.scale_up_slo_ratio
+    kv_load = sig.kv_demand_ratio / cfg.scale_up_kv_util
+    # NOTE: queued_requests is averaged over look_back_period_s: >= 1 means requests kept queueing at
+    # the handles (every replica at max_ongoing_requests), not one that waited for a replica to start
+    queued = sig.queued_requests >= 1
+    if queued or slo_load > 1 or kv_load > 1:
+        reason = "queued" if queued and max(slo_load, kv_load) <= 1 else (
+            "slo" if slo_load >= kv_load else "kv")
+        desired = max(n + 1, math.ceil(n * max(slo_load, kv_load)))
+        detail = f"SLO at {sig.slo_ratio:.0%}, KV demand at {sig.kv_demand_ratio:.0%}, {sig.queued_requests:.0f} queued"
+        return Decision("online", sig.replicas, desired, reason, detail, signals), True
+    if sig.slo_ratio < cfg.calm_slo_ratio and sig.kv_demand_ratio < cfg.calm_kv_util:
+        needed = math.ceil(n * sig.kv_demand_ratio / cfg.scale_up_kv_util)
+        desired = max(n - 1, needed, 1)
+        return Decision("online", sig.replicas, desired, "calm", "all signals below calm levels", signals), False
+    return Decision("online", sig.replicas, sig.replicas, "hold", "between calm and scale-up levels", signals), False
+
+
+def offline_decision(sig: PoolSignals, cfg: ScalingConfig, idle_replicas: int = 0) -> Decision:
+    """The offline pool's own wish: one replica per ``offline_backlog_tokens_per_replica`` of backlog."""
+    desired = math.ceil(sig.backlog_tokens / cfg.offline_backlog_tokens_per_replica)
+    if sig.queued_requests > 0:
+        desired = max(desired, sig.replicas + 1 if sig.replicas else 1)
+    reason = "backlog" if desired >= idle_replicas else "idle"
+    desired = max(desired, idle_replicas)
+    detail = f"{sig.backlog_tokens:.0f} backlog tokens, {sig.queued_requests:.0f} queued"
+    return Decision("offline", sig.replicas, desired, reason, detail, sig.summary())
+
+
+def _clamp(value: int, sig: PoolSignals) -> int:
+    return max(sig.min_replicas, min(sig.max_replicas, value))
+
+
+def _bounded(decision: Decision, sig: PoolSignals) -> Decision:
+    desired = _clamp(decision.desired, sig)
+    if desired == decision.desired:
+        return decision
+    bound = "max_replicas" if desired < decision.desired else "min_replicas"
+    return Decision(decision.pool, decision.current, desired, decision.reason,
+                    f"{decision.detail}; held at {bound}", decision.signals)
+
+
+class ElasticPolicy:
+    """Application-level policy: ``(contexts by DeploymentID) -> (replicas, policy state) by id``."""
+
+    def __init__(self, **kwargs) -> None:
+        self.config = ScalingConfig(**kwargs)
+        self.log = DecisionLog(self.config.decision_log or default_log_path())
+
+    def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        cfg = self.config
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        state = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
+        decisions: dict = {}
+        online, offline = by_name.get(cfg.online_deployment), by_name.get(cfg.offline_deployment)
+        now = next((c.current_time for c in contexts.values() if c.current_time), None) or time.time()
+
+        on_sig = pool_signals(online[1]) if online else None
+        off_sig = pool_signals(offline[1]) if offline else None
+        budget = cfg.replica_budget or sum(s.max_replicas for s in (on_sig, off_sig) if s)
+        off_floor = off_sig.min_replicas if off_sig else 0
+
+        pressured = False
+        online_target = 0
+        if online:
+            dep_id, _ = online
+            decision, pressured = online_decision(on_sig, cfg)
+            decision = _bounded(decision, on_sig)
+            if decision.desired > budget - off_floor:
+                decision = Decision("online", decision.current, max(on_sig.min_replicas, budget - off_floor),
+                                    decision.reason, f"{decision.detail}; held at the replica budget {budget}",
+                                    decision.signals)
+            online_target = decision.desired
+            if pressured or decision.reason == "hold":
+                state[dep_id][LAST_PRESSURE_KEY] = now
+            decisions[dep_id] = decision.desired
+            self.log.record(decision, now)
+
+        if offline:
+            dep_id, _ = offline
+            last_pressure = state[online[0]].get(LAST_PRESSURE_KEY) if online else None
+            calm_for_s = math.inf if last_pressure is None else now - last_pressure
+            room = budget - online_target
+            if pressured:
+                decision = Decision("offline", off_sig.replicas, max(off_floor, off_sig.target_replicas - 1),
+                                    "yield", "online is under pressure", off_sig.summary())
+            elif calm_for_s >= cfg.calm_s:
+                decision = offline_decision(off_sig, cfg, cfg.offline_idle_replicas)
+            else:
+                decision = Decision("offline", off_sig.replicas, off_sig.target_replicas, "wait_calm",
+                                    f"online calm for {calm_for_s:.0f}/{cfg.calm_s:.0f} s", off_sig.summary())
+            if decision.desired > room:
+                decision = Decision("offline", decision.current, max(off_floor, room), decision.reason,
+                                    f"{decision.detail}; online holds {online_target} of {budget} replicas",
+                                    decision.signals)
+            decision = _bounded(decision, off_sig)
+            decisions[dep_id] = decision.desired
+            self.log.record(decision, now)
+
+        for name, (dep_id, ctx) in by_name.items():  # other autoscaled deployments: left as they are
+            if dep_id not in decisions:
+                decisions[dep_id] = ctx.target_num_replicas
+        return decisions, state
+
+
+class OnlinePolicy:
+    """Deployment-level policy for an online pool deployed without the app-level policy."""
+
+    def __init__(self, **kwargs) -> None:
+        self.config = ScalingConfig(**kwargs)
+        self.log = DecisionLog(self.config.decision_log or default_log_path())
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        sig = pool_signals(ctx)
+        decision = _bounded(online_decision(sig, self.config)[0], sig)
+        self.log.record(decision, ctx.current_time)
+        return decision.desired, dict(ctx.policy_state or {})
+
+
+class OfflinePolicy:
+    """Deployment-level policy for an offline pool deployed alone (no online pool to yield to)."""
+
+    def __init__(self, **kwargs) -> None:
+        self.config = ScalingConfig(**kwargs)
+        self.log = DecisionLog(self.config.decision_log or default_log_path())
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        sig = pool_signals(ctx)
+        decision = _bounded(offline_decision(sig, self.config, self.config.offline_idle_replicas), sig)
+        self.log.record(decision, ctx.current_time)
+        return decision.desired, dict(ctx.policy_state or {})

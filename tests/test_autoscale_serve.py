@@ -1,0 +1,35 @@
+"""Elasticity on the real app (real Ray Serve, the real model, the app-level policy in Serve's
+controller): an online burst makes the offline pool give up its replica within 30 s, the pool comes
+back after the burst, and no request is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import paths
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+
+def test_online_burst_makes_offline_yield_and_come_back(tmp_path, monkeypatch):
+    from loadtests.autoscale_burst import run
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
+    monkeypatch.setenv("FORESERVE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    report = run(burst_requests=12, flex_requests=2, max_tokens=48, ttft_slo_ms=1000, calm_s=3, work_dir=str(tmp_path))
+
+    assert report["failed"] == [] and report["answered"] == 14  # nothing lost, flex included
+    assert report["offline_gave_up_after_s"] is not None and report["offline_gave_up_after_s"] <= 30
+    assert report["offline_back_after_burst_s"] is not None
+    during = [d for d in report["decisions"] if d["t_s"] >= 0]
+    yields = [d for d in during if d["pool"] == "offline" and d["reason"] == "yield"]
+    assert yields and yields[0]["desired"] == 0
+    # it came back because online was calm, after the yield, and said so
+    back = [d for d in during if d["pool"] == "offline" and d["desired"] == 1 and d["t_s"] > yields[0]["t_s"]]
+    assert back and back[0]["reason"] in ("idle", "backlog")
+    # the decision log is in the data dir the app ran with
+    assert (home / "autoscale" / "decisions.jsonl").exists()
