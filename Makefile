@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch clean
+.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ bench-serve: prepare
 
 bench-batch: prepare
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench batch --rows 64 --max-tokens 256 --repeats 2 --json reports/bench_batch.json
+
+bench-burst: prepare
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench burst --json reports/burst.json
+
+plan: prepare
+	$(VENV)/bin/foreserve plan --model llama-3-70b --hardware H100-80G --rate 20 --ttft-slo-ms 1000 --tpot-slo-ms 50 \
+		--offline-tokens-per-day 1e9 --json reports/plan_70b.json --plot reports/plan_70b.png
+	$(VENV)/bin/foreserve plan simulate-day --model llama-3-8b --hardware H100-80G --json reports/day.json --plot reports/day.png
+	$(VENV)/bin/foreserve plan calibrate-cpu --repeats 5 --json reports/calibrate_cpu.json
 
 clean:
 	rm -rf $(VENV) reports

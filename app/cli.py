@@ -220,12 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from app.cli_batch import add_parser as add_batch_parser
+    from app.cli_plan import add_parser as add_plan_parser
     from app.cli_predictor import add_parser as add_predictor_parser
     from app.cli_serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
     add_predictor_parser(sub)
     add_batch_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

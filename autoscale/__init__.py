@@ -1,4 +1,7 @@
-"""Autoscaling policies (per pool and app-level elasticity) and the capacity planner.
+"""Autoscaling and capacity planning.
 
-Not built yet: this package arrives with issue #6.
+signals.py (what replicas report, per pool), policy.py (online/offline rules and the app-level
+ElasticPolicy that Ray Serve runs), decisions.py (the decision log and metrics), capacity.py (one
+replica on the engine's simulator), planner.py (``foreserve plan``), day.py (the simulated day),
+calibrate.py (the cost model against this CPU).
 """

@@ -40,10 +40,12 @@ def default_log_path() -> Path:
 
 
 class DecisionLog:
-    """Logs decisions on change; ``path=None`` logs to the Serve logger only."""
+    """Logs decisions on change; ``path=None`` logs to the Serve logger only, ``quiet`` not even
+    there (a simulated day makes thousands)."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, quiet: bool = False) -> None:
         self.path = Path(path) if path else None
+        self.quiet = quiet
         self._last: dict[str, tuple[int, str]] = {}
         self._metrics = None
 
@@ -55,8 +57,9 @@ class DecisionLog:
             return False
         self._last[decision.pool] = key
         entry = {"time": now if now is not None else time.time(), "direction": decision.direction, **asdict(decision)}
-        logger.info("foreserve autoscale: %s %d -> %d (%s) %s %s", decision.pool, decision.current,
-                    decision.desired, decision.reason, decision.detail, decision.signals)
+        if not self.quiet:
+            logger.info("foreserve autoscale: %s %d -> %d (%s) %s %s", decision.pool, decision.current,
+                        decision.desired, decision.reason, decision.detail, decision.signals)
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,8 @@ class DecisionLog:
         return True
 
     def _export(self, decision: Decision) -> None:
+        if self.quiet:
+            return
         if self._metrics is None:
             import ray
 

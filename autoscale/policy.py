@@ -7,11 +7,14 @@ Built on Ray Serve's custom autoscaling API. ``ElasticPolicy`` is the applicatio
 ``OfflinePolicy`` are the same rules as deployment-level policies, for a pool deployed alone.
 
 - Online grows on SLO pressure: p90 TTFT or TPOT of recent requests, or the wait of the oldest
-  request still without its first token, above ``scale_up_slo_ratio`` of the SLO; or KV demand (held blocks, reservations
-  included, plus the waiting requests' prompt + predicted output) above ``scale_up_kv_util``; or
-  requests queueing at the handles. It shrinks one replica at a time only when every signal is
-  below its ``calm_*`` level: the gap between the two levels is the hysteresis.
-- Offline sizes to its backlog of predicted tokens, and keeps ``offline_idle_replicas`` warm.
+  request still without its first token, above ``scale_up_slo_ratio`` of the SLO; on occupancy
+  above ``scale_up_occupancy`` (KV demand: held blocks, reservations included, plus the waiting
+  requests' prompt + predicted output; or sequences per replica over ``target_ongoing_requests``);
+  or on requests queueing at the handles. It shrinks one replica at a time, only when every signal
+  is calm and the replicas left would stay below ``calm_occupancy``: the gap is the hysteresis.
+- Offline sizes to its backlog of predicted tokens (growing at one replica per
+  ``offline_backlog_tokens_per_replica``, shrinking once the backlog would half-fill one replica
+  less), and keeps ``offline_idle_replicas`` warm.
 - Elasticity: online comes first. While online is under pressure the offline pool gives up one
   replica per tick down to its min_replicas (which may be 0); it grows back only after online has
   been calm for ``calm_s``, and never beyond the budget online leaves. Serve drains removed replicas
@@ -37,9 +40,10 @@ class ScalingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scale_up_slo_ratio: float = Field(0.8, gt=0, description="Online grows when p90 TTFT, p90 TPOT or the wait of the oldest request without a first token passes this share of the pool's SLO.")
-    calm_slo_ratio: float = Field(0.4, ge=0, description="Online counts as calm below this share of its SLOs (and KV demand below calm_kv_util): it may shrink, offline may grow back.")
-    scale_up_kv_util: float = Field(0.9, gt=0, description="Online grows when KV held (reservations included) plus waiting predicted tokens pass this share of its KV capacity.")
-    calm_kv_util: float = Field(0.5, ge=0, description="Online KV demand below this share counts as calm.")
+    calm_slo_ratio: float = Field(0.4, ge=0, description="Online counts as calm below this share of its SLOs (and with occupancy calm too): it may shrink, offline may grow back.")
+    scale_up_occupancy: float = Field(0.9, gt=0, description="Online grows when its occupancy passes this: KV held (reservations included) plus waiting predicted tokens over KV capacity, or running + waiting sequences per replica over target_ongoing_requests, whichever is higher.")
+    calm_occupancy: float = Field(0.75, ge=0, description="Online may shrink (and counts as calm) when its occupancy with one replica less would stay below this.")
+    target_ongoing_requests: float | None = Field(None, gt=0, description="Sequences per online replica at its SLO capacity (foreserve plan reports it); empty: occupancy is KV demand alone.")
     offline_backlog_tokens_per_replica: int = Field(32768, gt=0, description="Offline wants one replica per this many tokens of backlog (KV held + waiting prompt and predicted output tokens).")
     offline_idle_replicas: int = Field(1, ge=0, description="Offline replicas kept while online is calm even without backlog (warm for flex work); 0 lets the pool idle at its min_replicas.")
     calm_s: float = Field(20.0, ge=0, description="Online must have been calm this long before the offline pool grows back.")
@@ -49,7 +53,7 @@ class ScalingConfig(BaseModel):
     decision_log: str | None = Field(None, description="JSONL file of decisions; empty: $FORESERVE_HOME/autoscale/decisions.jsonl.")
 
     def model_post_init(self, _context) -> None:
-        if self.calm_slo_ratio >= self.scale_up_slo_ratio or self.calm_kv_util >= self.scale_up_kv_util:
+        if self.calm_slo_ratio >= self.scale_up_slo_ratio or self.calm_occupancy >= self.scale_up_occupancy:
             raise ValueError("calm_* thresholds must be below their scale_up_* counterparts (that gap is the hysteresis)")
 
 
@@ -61,19 +65,24 @@ def online_decision(sig: PoolSignals, cfg: ScalingConfig) -> tuple[Decision, boo
         # NOTE: not pressure: Serve starts the first replica itself, and at startup every pool is at 0
         desired = 1 if sig.queued_requests else 0
         return Decision("online", 0, desired, "cold_start" if desired else "idle", signals=signals), False
+    occupancy = sig.kv_demand_ratio
+    if cfg.target_ongoing_requests:
+        occupancy = max(occupancy, sig.ongoing_per_replica / cfg.target_ongoing_requests)
     slo_load = sig.slo_ratio / cfg.scale_up_slo_ratio
-    kv_load = sig.kv_demand_ratio / cfg.scale_up_kv_util
+    kv_load = occupancy / cfg.scale_up_occupancy
     # NOTE: queued_requests is averaged over look_back_period_s: >= 1 means requests kept queueing at
     # the handles (every replica at max_ongoing_requests), not one that waited for a replica to start
     queued = sig.queued_requests >= 1
     if queued or slo_load > 1 or kv_load > 1:
         reason = "queued" if queued and max(slo_load, kv_load) <= 1 else (
-            "slo" if slo_load >= kv_load else "kv")
+            "slo" if slo_load >= kv_load else "occupancy")
         desired = max(n + 1, math.ceil(n * max(slo_load, kv_load)))
-        detail = f"SLO at {sig.slo_ratio:.0%}, KV demand at {sig.kv_demand_ratio:.0%}, {sig.queued_requests:.0f} queued"
+        detail = f"SLO at {sig.slo_ratio:.0%}, occupancy {occupancy:.0%}, {sig.queued_requests:.0f} queued"
         return Decision("online", sig.replicas, desired, reason, detail, signals), True
-    if sig.slo_ratio < cfg.calm_slo_ratio and sig.kv_demand_ratio < cfg.calm_kv_util:
-        needed = math.ceil(n * sig.kv_demand_ratio / cfg.scale_up_kv_util)
+    # NOTE: shrink only if the replicas left would still be calm: occupancy after losing one replica
+    # (n / (n - 1) of today's) below calm_occupancy, itself below scale_up_occupancy: no flapping
+    if sig.slo_ratio < cfg.calm_slo_ratio and occupancy * n / max(n - 1, 1) < cfg.calm_occupancy:
+        needed = math.ceil(n * occupancy / cfg.scale_up_occupancy)
         desired = max(n - 1, needed, 1)
         return Decision("online", sig.replicas, desired, "calm", "all signals below calm levels", signals), False
     return Decision("online", sig.replicas, sig.replicas, "hold", "between calm and scale-up levels", signals), False
@@ -81,7 +90,10 @@ def online_decision(sig: PoolSignals, cfg: ScalingConfig) -> tuple[Decision, boo
 
 def offline_decision(sig: PoolSignals, cfg: ScalingConfig, idle_replicas: int = 0) -> Decision:
     """The offline pool's own wish: one replica per ``offline_backlog_tokens_per_replica`` of backlog."""
-    desired = math.ceil(sig.backlog_tokens / cfg.offline_backlog_tokens_per_replica)
+    per_replica = cfg.offline_backlog_tokens_per_replica
+    desired = math.ceil(sig.backlog_tokens / per_replica)
+    if desired < sig.target_replicas:  # hysteresis: shrink only once the backlog would half-fill fewer replicas
+        desired = min(sig.target_replicas, max(desired, math.ceil(2 * sig.backlog_tokens / per_replica)))
     if sig.queued_requests > 0:
         desired = max(desired, sig.replicas + 1 if sig.replicas else 1)
     reason = "backlog" if desired >= idle_replicas else "idle"
@@ -129,11 +141,15 @@ class ElasticPolicy:
             dep_id, _ = online
             decision, pressured = online_decision(on_sig, cfg)
             decision = _bounded(decision, on_sig)
-            if decision.desired > budget - off_floor:
-                decision = Decision("online", decision.current, max(on_sig.min_replicas, budget - off_floor),
-                                    decision.reason, f"{decision.detail}; held at the replica budget {budget}",
+            # NOTE: online grows into what offline has given back (replicas still up hold their GPUs);
+            # offline yields meanwhile, so the budget holds at every instant
+            off_in_use = max(off_floor, off_sig.replicas) if off_sig else 0
+            if decision.desired > budget - off_in_use:
+                decision = Decision("online", decision.current, max(on_sig.min_replicas, budget - off_in_use),
+                                    decision.reason, f"{decision.detail}; offline holds {off_in_use} of the {budget} replicas",
                                     decision.signals)
-            online_target = decision.desired
+            # what online will hold: its wish, or more while Serve's downscale delay keeps replicas up
+            online_target = max(decision.desired, on_sig.replicas, on_sig.target_replicas)
             if pressured or decision.reason == "hold":
                 state[dep_id][LAST_PRESSURE_KEY] = now
             decisions[dep_id] = decision.desired
@@ -144,14 +160,15 @@ class ElasticPolicy:
             last_pressure = state[online[0]].get(LAST_PRESSURE_KEY) if online else None
             calm_for_s = math.inf if last_pressure is None else now - last_pressure
             room = budget - online_target
+            own = offline_decision(off_sig, cfg, cfg.offline_idle_replicas)
             if pressured:
-                decision = Decision("offline", off_sig.replicas, max(off_floor, off_sig.target_replicas - 1),
-                                    "yield", "online is under pressure", off_sig.summary())
+                desired = max(off_floor, min(off_sig.target_replicas - 1, own.desired))
+                decision = Decision("offline", off_sig.replicas, desired, "yield", "online is under pressure", own.signals)
             elif calm_for_s >= cfg.calm_s:
-                decision = offline_decision(off_sig, cfg, cfg.offline_idle_replicas)
-            else:
-                decision = Decision("offline", off_sig.replicas, off_sig.target_replicas, "wait_calm",
-                                    f"online calm for {calm_for_s:.0f}/{cfg.calm_s:.0f} s", off_sig.summary())
+                decision = own
+            else:  # may shrink to what its backlog needs, may not grow until online is calm
+                decision = Decision("offline", off_sig.replicas, min(off_sig.target_replicas, own.desired), "wait_calm",
+                                    f"online calm for {calm_for_s:.0f}/{cfg.calm_s:.0f} s; {own.detail}", own.signals)
             if decision.desired > room:
                 decision = Decision("offline", decision.current, max(off_floor, room), decision.reason,
                                     f"{decision.detail}; online holds {online_target} of {budget} replicas",
@@ -166,29 +183,32 @@ class ElasticPolicy:
         return decisions, state
 
 
-class OnlinePolicy:
-    """Deployment-level policy for an online pool deployed without the app-level policy."""
+class _PoolPolicy:
+    """A deployment-level policy (a pool deployed without the app-level one): ``(ctx) -> (replicas, state)``."""
 
     def __init__(self, **kwargs) -> None:
         self.config = ScalingConfig(**kwargs)
         self.log = DecisionLog(self.config.decision_log or default_log_path())
 
+    def decide(self, sig: PoolSignals) -> Decision:
+        raise NotImplementedError
+
     def __call__(self, ctx) -> tuple[int, dict]:
         sig = pool_signals(ctx)
-        decision = _bounded(online_decision(sig, self.config)[0], sig)
+        decision = _bounded(self.decide(sig), sig)
         self.log.record(decision, ctx.current_time)
         return decision.desired, dict(ctx.policy_state or {})
 
 
-class OfflinePolicy:
-    """Deployment-level policy for an offline pool deployed alone (no online pool to yield to)."""
+class OnlinePolicy(_PoolPolicy):
+    """The online rules alone."""
 
-    def __init__(self, **kwargs) -> None:
-        self.config = ScalingConfig(**kwargs)
-        self.log = DecisionLog(self.config.decision_log or default_log_path())
+    def decide(self, sig: PoolSignals) -> Decision:
+        return online_decision(sig, self.config)[0]
 
-    def __call__(self, ctx) -> tuple[int, dict]:
-        sig = pool_signals(ctx)
-        decision = _bounded(offline_decision(sig, self.config, self.config.offline_idle_replicas), sig)
-        self.log.record(decision, ctx.current_time)
-        return decision.desired, dict(ctx.policy_state or {})
+
+class OfflinePolicy(_PoolPolicy):
+    """The offline rules alone (no online pool to yield to)."""
+
+    def decide(self, sig: PoolSignals) -> Decision:
+        return offline_decision(sig, self.config, self.config.offline_idle_replicas)

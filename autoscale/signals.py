@@ -29,6 +29,7 @@ class PoolSignals:
     pending_slo_ratio: float  # wait of the oldest request without a first token / TTFT SLO: pressure as it builds
     kv_demand_ratio: float  # (KV held + waiting predicted tokens) / KV capacity, over the pool
     backlog_tokens: float  # KV held + waiting predicted tokens: the work the pool has in hand
+    ongoing_per_replica: float  # running + waiting sequences per replica
     queued_requests: float  # waiting at callers' handles for a free replica (max_ongoing_requests reached)
 
     @property
@@ -38,7 +39,7 @@ class PoolSignals:
     def summary(self) -> dict[str, float]:
         """The numbers a decision was made on, rounded for the decision log."""
         keys = ("replicas", "ttft_slo_ratio", "tpot_slo_ratio", "pending_slo_ratio", "kv_demand_ratio",
-                "backlog_tokens", "queued_requests")
+                "backlog_tokens", "ongoing_per_replica", "queued_requests")
         return {k: round(float(getattr(self, k)), 3) for k in keys}
 
 
@@ -59,6 +60,8 @@ def pool_signals(ctx) -> PoolSignals:
     held = sum(_per_replica(metrics, "kv_used_tokens").values())
     waiting = sum(_per_replica(metrics, "waiting_predicted_tokens").values())
     queued = ctx.total_queued_requests or 0.0
+    ongoing = sum(_per_replica(metrics, "num_running").values()) + sum(_per_replica(metrics, "num_waiting").values())
+    reporting = len(_per_replica(metrics, "kv_capacity_tokens"))
     return PoolSignals(
         replicas=ctx.current_num_replicas,
         target_replicas=ctx.target_num_replicas,
@@ -69,5 +72,6 @@ def pool_signals(ctx) -> PoolSignals:
         pending_slo_ratio=_ratio(metrics, "oldest_pending_ms", "ttft_slo_ms"),
         kv_demand_ratio=(held + waiting) / capacity if capacity else 0.0,
         backlog_tokens=held + waiting,
+        ongoing_per_replica=ongoing / reporting if reporting else 0.0,
         queued_requests=float(queued),
     )

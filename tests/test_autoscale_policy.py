@@ -152,3 +152,20 @@ def test_thresholds_validated():
         ScalingConfig(offline_backlog_tokens_per_replica=0)
     with pytest.raises(ValueError):
         ScalingConfig(no_such_threshold=1)
+
+
+def test_budget_holds_at_every_instant_online_waits_for_offline_to_yield(policy):
+    # budget 3: offline still runs 2, online (1) is under pressure and wants 3
+    online = context(ONLINE, 1, min_replicas=1, max_replicas=3, ttft_ms=5000)
+    offline = context(OFFLINE, 2, min_replicas=0, max_replicas=3)
+    on, off, _ = tick(policy, online, offline)
+    assert (on, off) == (1, 1)  # offline yields one; online grows only into replicas already given back
+    on, off, _ = tick(policy, online, context(OFFLINE, 1, min_replicas=0, max_replicas=3))
+    assert (on, off) == (2, 0)
+
+
+def test_offline_shrinks_only_when_backlog_would_half_fill_fewer_replicas(tmp_path):
+    policy = OfflinePolicy(offline_idle_replicas=0, decision_log=str(tmp_path / "d.jsonl"))
+    # 3 replicas, 40k tokens: 2 would do, but 2 replicas would be more than half full: hold 3
+    assert policy(context(OFFLINE, 3, max_replicas=4, waiting=40000 // 3))[0] == 3
+    assert policy(context(OFFLINE, 3, max_replicas=4, waiting=30000 // 3))[0] == 2  # 30k half-fills 2 (65k)

@@ -102,6 +102,12 @@ class LLMEngine:
             return self._sim_clock_s
         return time.perf_counter() - self._t0
 
+    def idle_until(self, t_s: float) -> None:
+        """Simulated runners only: let modelled time pass with nothing to run (open-loop arrivals)."""
+        if not self.runner.simulated:
+            raise RuntimeError("only a simulated engine's clock can be moved")
+        self._sim_clock_s = max(self._sim_clock_s, t_s)
+
     # -- intake ----------------------------------------------------------------------------
     def add_request(
         self,

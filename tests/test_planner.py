@@ -1,0 +1,132 @@
+"""Capacity planner, simulated day and CPU calibration: known cases on the simulator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.engine.profiles import HARDWARE, MODELS
+from autoscale.calibrate import CPU_OVERHEAD_S, _components, fit
+from autoscale.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
+from autoscale.day import LOADS, diurnal_rates, simulate_day
+from autoscale.planner import PlanRequest, _pool_choice, feasible_tps
+
+WORKLOAD = Workload.lognormal(400, 111, 330, seed=1)
+
+
+def test_feasible_tp_degrees_follow_memory():
+    assert feasible_tps(PlanRequest(model="llama-3-8b", hardware="H100-80G")) == [1, 2, 4, 8]
+    # 141 GB of 70B weights do not fit one 80 GB GPU
+    assert feasible_tps(PlanRequest(model="llama-3-70b", hardware="H100-80G")) == [2, 4, 8]
+    with pytest.raises(ValueError, match="fits on H100-80G at none"):
+        feasible_tps(PlanRequest(model="llama-3-70b", hardware="H100-80G", tp_options=(1,)))
+
+
+def test_pool_choice_picks_fewest_gpus_and_prices_them():
+    rows = [
+        {"tensor_parallel_size": 1, "policy": "reserve_predicted", "online_capacity_rps": 10.0,
+         "offline_tokens_per_s": 1000.0, "mean_output_tokens": 300.0},
+        {"tensor_parallel_size": 2, "policy": "reserve_predicted", "online_capacity_rps": 25.0,
+         "offline_tokens_per_s": 2500.0, "mean_output_tokens": 300.0},
+        {"tensor_parallel_size": 1, "policy": "reserve_max", "online_capacity_rps": 4.0,
+         "offline_tokens_per_s": 500.0, "mean_output_tokens": 300.0},
+    ]
+    req = PlanRequest(rate_rps=40, target_utilization=1.0, offline_tokens_per_day=1000 * 86400 * 3, gpu_hour_usd=2.0,
+                      policies=("reserve_predicted", "reserve_max"))
+    online = _pool_choice(rows, "online", req)
+    # tp1: 4 replicas = 4 GPUs; tp2: 2 replicas = 4 GPUs -> tie, the smaller TP wins
+    assert (online["tensor_parallel_size"], online["replicas"], online["gpus"]) == (1, 4, 4)
+    assert online["by_policy"]["reserve_max"]["gpus"] == 10
+    tokens_per_hour = 40 * 300 * 3600
+    assert online["cost_per_million_tokens"] == pytest.approx(4 * 2.0 / tokens_per_hour * 1e6, rel=1e-3)
+    offline = _pool_choice(rows, "offline", req)
+    assert (offline["replicas"], offline["gpus"]) == (3, 3)  # tp1 3 GPUs beats tp2 (2 replicas = 4 GPUs)
+
+
+def test_simulated_replica_meets_slo_at_its_capacity_and_not_beyond():
+    spec = PoolSpec(HARDWARE["H100-80G"], MODELS["llama-3-8b"], 1)
+    rps, run, tokens_per_s = online_capacity(spec, WORKLOAD, ttft_slo_ms=200, tpot_slo_ms=50, duration_s=8, iterations=4)
+    assert 0 < rps <= tokens_per_s / WORKLOAD.mean_output_tokens
+    assert run.ttft_p99_ms <= 200 and run.tpot_p99_ms <= 50
+    over = simulate_online(spec, tokens_per_s / WORKLOAD.mean_output_tokens * 1.5, WORKLOAD, duration_s=8)
+    assert over.ttft_p99_ms > 200  # 1.5x the offline packing rate: the queue grows
+    # an impossible TPOT (below one batch-1 decode step, ~6 ms) gives no capacity at all
+    assert online_capacity(spec, WORKLOAD, ttft_slo_ms=1000, tpot_slo_ms=1, duration_s=5, iterations=2)[0] == 0
+
+
+def test_reserve_predicted_packs_more_than_reserve_max_when_memory_binds():
+    """70B at tp=2 on an H100 has ~10 GB of KV room per GPU: predicted reservations fit more sequences."""
+    base = (HARDWARE["H100-80G"], MODELS["llama-3-70b"], 2)
+    predicted = offline_throughput(PoolSpec(*base, "reserve_predicted"), WORKLOAD, 300)
+    maximal = offline_throughput(PoolSpec(*base, "reserve_max"), WORKLOAD, 300)
+    assert predicted > 1.5 * maximal
+
+
+def _synthetic_replica(capacity: float = 10.0) -> dict:
+    # flat latency up to capacity, then the queue's cliff; batch grows with load
+    return {"capacity_rps": capacity, "ttft_p99_ms": [50, 55, 60, 70, 80, 100, 900, 5000],
+            "kv_util": [0.05 * x for x in LOADS], "running_batch": [100 * x for x in LOADS],
+            "tensor_parallel_size": 2, "offline_tokens_per_s": 10000.0, "mean_output_tokens": 300.0}
+
+
+def test_simulated_day_elastic_beats_static_peak():
+    # GPU-fleet thresholds (big pools: a replica less changes occupancy by little)
+    report = simulate_day(_synthetic_replica(), peak_rps=100, offline_tokens_per_day=10000 * 86400 * 2,
+                          ttft_slo_ms=1000, tpot_slo_ms=50, policy_kwargs={"scale_up_occupancy": 0.95, "calm_occupancy": 0.8})
+    elastic, static = report["elastic"], report["static_peak"]
+    assert (static["online_replicas"], static["offline_replicas"]) == (10, 2)
+    assert static["gpu_hours"] == 12 * 24 * 2
+    assert elastic["online_minutes_within_slo_frac"] >= 0.99
+    assert elastic["offline_tokens"] >= static["offline_tokens"] * 0.999  # the same offline work
+    assert elastic["gpu_hours"] <= 0.8 * static["gpu_hours"]
+    assert max(s[2] + s[3] for s in report["series"]) <= elastic["replica_budget"]  # budget respected
+
+
+def test_diurnal_rates_span_trough_to_peak():
+    rates = diurnal_rates(100, trough_frac=0.2)
+    assert len(rates) == 1440 and rates.max() == pytest.approx(100) and rates.min() == pytest.approx(20, rel=1e-3)
+    assert int(rates.argmax()) == 14 * 60
+
+
+def test_calibration_fit_recovers_known_constants():
+    bw, flops = 6e9, 3e10
+    points = []
+    for b in (1, 4, 16, 64):
+        mem, cmp = _components(b, 256)
+        points.append((b, max(mem / bw, cmp / flops) + CPU_OVERHEAD_S))
+    got_bw, got_flops, worst = fit(points, 256)
+    assert worst < 0.03
+    assert math.isclose(got_bw, bw, rel_tol=0.05) and math.isclose(got_flops, flops, rel_tol=0.1)
+
+
+@pytest.mark.slow
+def test_plan_report_contract_table_and_plot(tmp_path, capsys):
+    from app.cli_plan import plot_frontier, print_plan
+    from autoscale.planner import plan
+
+    req = PlanRequest(model="llama-3-8b", hardware="H100-80G", rate_rps=30, offline_tokens_per_day=1e9,
+                      policies=("reserve_predicted", "reserve_max"), tp_options=(1, 2), duration_s=5)
+    report = plan(req, progress=False)
+    for pool in ("online", "offline"):
+        choice = report["pools"][pool]
+        assert {"tensor_parallel_size", "replicas", "gpus", "cost_per_million_tokens"} <= set(choice)
+        assert choice["policy"] == "reserve_predicted" and set(choice["by_policy"]) == {"reserve_predicted", "reserve_max"}
+        assert choice["gpus"] == choice["replicas"] * choice["tensor_parallel_size"] >= 1
+    assert len(report["candidates"]) == 4
+    assert {p["tensor_parallel_size"] for p in report["frontier"]} == {1, 2}
+    print_plan(report)
+    assert "reserve_predicted" in capsys.readouterr().out
+    plot_frontier(report, str(tmp_path / "frontier.png"))
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_calibration_measures_the_real_model():
+    from autoscale.calibrate import calibrate
+
+    report = calibrate([1, 8], context=64, repeats=2)
+    assert [p["batch_size"] for p in report["points"]] == [1, 8]
+    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 for p in report["points"])
+    assert report["fitted"]["memory_bandwidth_bytes_per_s"] > 0 and report["fitted"]["flops"] > 0
