@@ -99,3 +99,62 @@ def test_prediction_window_counts_natural_finishes_only():
     window.add((0, None, 10), 100, "length")  # cut off: unknown true length, skipped
     window.add(None, 5, "stop")  # fallback: nothing predicted
     assert window.rates() == (0.5, 0.5)
+
+
+class _Stream:
+    """A streaming handle response: raises ``error`` at the first item, else yields ``items``."""
+
+    def __init__(self, items: list[dict], error: Exception | None = None) -> None:
+        self.items, self.error, self.cancelled = list(items), error, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Pool:
+    """A pool handle whose successive calls return the given streams."""
+
+    def __init__(self, streams: list[_Stream]) -> None:
+        self.streams, self.calls = list(streams), 0
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request: dict) -> _Stream:
+        self.calls += 1
+        return self.streams.pop(0)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_a_drained_replica_is_requeued_not_lost():
+    """A replica removed by a scale-down (or dead) before the first token: the request goes to the
+    pool again; after REQUEUE_ATTEMPTS losses the client gets a retryable 503."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from app.api import errors
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import REQUEUE_ATTEMPTS, Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    lost = [_Stream([], ActorDiedError()), _Stream([], ActorUnavailableError("draining", None))]
+    ok = _Stream([_item("hi", 1, True, "stop")])
+    ingress.pools = {"offline": _Pool([*lost, ok])}
+    stream, first = asyncio.run(ingress._start(GenerateRequest(), "offline"))
+    assert stream is ok and first["text"] == "hi" and ingress.pools["offline"].calls == 3
+    assert all(s.cancelled for s in lost)
+    ingress.pools = {"offline": _Pool([_Stream([], ActorDiedError()) for _ in range(REQUEUE_ATTEMPTS)])}
+    with pytest.raises(errors.APIError) as err:
+        asyncio.run(ingress._start(GenerateRequest(), "offline"))
+    assert err.value.status_code == 503
