@@ -220,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from app.cli_batch import add_parser as add_batch_parser
+    from app.cli_loadtest import add_parser as add_loadtest_parser
     from app.cli_plan import add_parser as add_plan_parser
     from app.cli_predictor import add_parser as add_predictor_parser
     from app.cli_serve import add_parser as add_serve_parser
@@ -228,13 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_predictor_parser(sub)
     add_batch_parser(sub)
     add_plan_parser(sub)
+    add_loadtest_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     _env()
     args = build_parser().parse_args(argv)
-    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows"):
+    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows", "users"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2

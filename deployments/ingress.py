@@ -92,8 +92,9 @@ class Ingress:
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """``ok`` when the predictor and both pools answer within 5 s, else ``degraded`` with what
-        failed (a busy pool can be slow to answer: the ingress itself is up, so always 200). The
+        """``ok`` when the predictor and both pools answer within 5 s (a pool the autoscaler scaled to
+        zero counts as up), else ``degraded`` with what failed (a busy pool can be slow to answer: the
+        ingress itself is up, so always 200); with each pool's running replicas. The
         first call also warms the handles' routing, so the first chat request does not pay it."""
         async def ask(call, timeout_s: float = 5.0):
             try:
@@ -101,7 +102,14 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - reported, not raised
                 return {"error": type(exc).__name__}
 
-        pools = {name: await ask(handle.stats.remote()) for name, handle in self.pools.items()}
+        states = await ask(asyncio.to_thread(self._replica_states))
+        # NOTE: a pool with no running replica (scaled to zero, or scaling from zero) is not asked: a
+        # call would queue at its handle and make Serve start a replica (its cold-start rule), undoing
+        # the autoscaler's decision. While deploying (UPDATING) it is asked, so startup waits for it.
+        idle = {name for name, s in states.items() if s and s.get("status") != "UPDATING" and not s.get("RUNNING")} \
+            if "error" not in states else set()
+        pools = {name: {"num_running": 0, "num_waiting": 0} if name in idle else await ask(handle.stats.remote())
+                 for name, handle in self.pools.items()}
         predictor = await ask(self.predictor.info.remote())
         failed = "error" in predictor or any("error" in p for p in pools.values())
         keys = ("error", "kv_free_tokens", "num_running", "num_waiting")
@@ -109,7 +117,18 @@ class Ingress:
             "status": "degraded" if failed else "ok", "model": self.model_id,
             "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,
             "pools": {name: {k: p[k] for k in keys if k in p} for name, p in pools.items()},
+            "replicas": {name: s.get("RUNNING", 0) for name, s in states.items()} if "error" not in states else states,
         })
+
+    def _replica_states(self) -> dict[str, dict[str, int]]:
+        """Each pool's deployment status and replicas by state (RUNNING, STARTING, ...), from Serve's controller."""
+        app = serve.status().applications.get(self.batches.app_name)
+        states = {}
+        for name in self.pools:
+            d = app.deployments.get(name) if app else None
+            states[name] = {"status": getattr(d.status, "value", str(d.status)),
+                            **{getattr(k, "value", str(k)): int(v) for k, v in d.replica_states.items()}} if d else {}
+        return states
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:

@@ -95,6 +95,7 @@ def test_models_health_and_chat(served):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     health = httpx.get(served["url"] + "/health").json()
     assert health["status"] == "ok" and health["predictor"]["version"] == "1" and set(health["pools"]) == {"online", "offline"}
+    assert set(health["replicas"]) == {"online", "offline"} and health["replicas"]["online"] >= 1
 
     raw = client.chat.completions.with_raw_response.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[0]}], max_tokens=16, temperature=0)

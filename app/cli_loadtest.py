@@ -1,0 +1,152 @@
+"""``foreserve loadtest``: Locust SLO load tests (one run, ``ab`` of two schedulers, ``stub-check``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _spec(args: argparse.Namespace, stages: str | None = None):
+    from loadtests.loadtest import LoadSpec
+    from loadtests.stages import parse_stages, parse_tier_mix
+    from loadtests.summary import SLO
+
+    stages = stages or args.stages or f"steady:{args.duration:g}:{args.users if args.mode == 'closed' else args.rate:g}"
+    parse_stages(stages)  # a clear error before anything starts
+    slos = {"online": SLO(ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms),
+            "flex": SLO(ttft_ms=args.flex_ttft_slo_ms or 10 * args.ttft_slo_ms,
+                        tpot_ms=args.flex_tpot_slo_ms or 10 * args.tpot_slo_ms)}
+    return LoadSpec(stages=stages, mode=args.mode, tier_mix=parse_tier_mix(args.tier_mix), max_tokens=args.max_tokens,
+                    slos=slos, seed=args.seed, drain_s=args.drain_s, think_s=args.think_s,
+                    ignore_eos=not args.natural_eos)
+
+
+def print_summary(summary: dict) -> None:
+    print(f"{summary['duration_s']:.0f} s at {summary['rate']} req/s offered; SLOs {json.dumps(summary['slo'])}")
+    print(f"{'tier':>6} {'reqs':>5} {'fail':>4} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90 ms':>16} {'E2E mean ms':>11} "
+          f"{'SLO ok':>7} {'goodput':>8} {'tok/s':>6}")
+    for tier, s in summary["tiers"].items():
+        if not s["requests"]:
+            continue
+        ttft = "/".join("-" if s["ttft_ms"][q] is None else f"{s['ttft_ms'][q]:.0f}" for q in ("p50", "p90", "p99"))
+        tpot = "/".join("-" if s["tpot_ms"][q] is None else f"{s['tpot_ms'][q]:.0f}" for q in ("p50", "p90"))
+        mean = "-" if s["e2e_ms"]["mean"] is None else f"{s['e2e_ms']['mean']:.0f}"
+        print(f"{tier:>6} {s['requests']:>5} {s['failures']:>4} {ttft:>22} {tpot:>16} {mean:>11} "
+              f"{s['slo_attainment']:>7.1%} {s['goodput_rps']:>8.3f} {s['output_tokens_per_s']:>6.1f}")
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from loadtests.loadtest import run_load
+
+    spec = _spec(args)
+    config = Path(args.config) if args.config else None
+    if not args.host:
+        config = _scheduler_config(args, config)
+    summary = run_load(spec, Path(args.report), args.host, config)
+    print_summary(summary)
+    print(f"wrote {args.report}/summary.json, report.html (plots), locust.html and Locust's CSVs")
+    return 0
+
+
+def _scheduler_config(args: argparse.Namespace, config: Path | None) -> Path | None:
+    if not getattr(args, "scheduler", None):
+        return config
+    from app.config import DEFAULT_CONFIG_PATH
+    from loadtests.ab import scheduler_config
+
+    return scheduler_config(config or DEFAULT_CONFIG_PATH, Path(args.report) / "serve_config.yaml", args.scheduler)
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from app.config import DEFAULT_CONFIG_PATH
+    from loadtests.ab import run_ab
+
+    if args.mode != "open":
+        raise ValueError("loadtest ab runs open-loop arrivals (a rate sweep); drop --mode closed")
+    result = run_ab(_spec(args), args.rates, args.duration, Path(args.report), Path(args.config or DEFAULT_CONFIG_PATH),
+                    tuple(args.schedulers), args.repeats)
+    a, b = result["schedulers"]
+    print(f"\n{'rate':>5} | {a + ' E2E ms':>13} {b + ' E2E ms':>13} {'ratio':>6} | {a + ' goodput':>14} "
+          f"{b + ' goodput':>14} {'ratio':>6}")
+    for row in result["by_rate"]:
+        print(f"{row['rate']:>5g} | {row[a]['mean_e2e_ms'] or 0:>13.0f} {row[b]['mean_e2e_ms'] or 0:>13.0f} "
+              f"{row['mean_e2e_ratio'] or 0:>6.2f} | {row[a]['goodput_rps']:>14.3f} {row[b]['goodput_rps']:>14.3f} "
+              f"{row['goodput_ratio'] or 0:>6.2f}")
+    print(f"wrote {args.report}/ab.json, ab.png and a report per scheduler and rate")
+    return 0
+
+
+def cmd_stub_check(args: argparse.Namespace) -> int:
+    from loadtests.ab import run_stub_check
+
+    spec = _spec(args, f"steady:{args.duration:g}:{args.rate * args.factor:g}")
+    check = run_stub_check(spec, Path(args.report), args.stub_ttft_ms, args.stub_itl_ms)
+    print(json.dumps(check, indent=2))
+    # NOTE: Poisson counts vary (±2 sqrt(n)); lag is what shows a generator falling behind
+    ok = not check["failures"] and check["p99_send_lag_ms"] < 100 and check["sent_rps"] >= 0.8 * check["target_rps"]
+    print(f"the generator {'kept' if ok else 'did NOT keep'} up with {check['target_rps']:g} req/s "
+          f"({args.factor:g}x the tested {args.rate:g})")
+    return 0 if ok else 1
+
+
+def _load_options(p, rate_default: float = 0.5) -> None:
+    p.add_argument("--rate", type=float, default=rate_default, help=f"requests/s, Poisson arrivals (default {rate_default})")
+    p.add_argument("--duration", type=float, default=60, help="seconds of arrivals (default 60)")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000, help="online TTFT objective (default 2000, as serve_config.yaml)")
+    p.add_argument("--tpot-slo-ms", type=float, default=250, help="online TPOT objective (default 250, as serve_config.yaml)")
+    p.add_argument("--flex-ttft-slo-ms", type=float, help="flex TTFT objective (default 10x the online one)")
+    p.add_argument("--flex-tpot-slo-ms", type=float, help="flex TPOT objective (default 10x the online one)")
+    p.add_argument("--tier-mix", default="online=1", help="e.g. online=0.7,flex=0.3 (default online=1)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="each request's max_tokens = its true ShareGPT length capped at this (default 256)")
+    p.add_argument("--natural-eos", action="store_true", help="let answers end at EOS (default: ignore_eos, exact lengths)")
+    p.add_argument("--mode", choices=("open", "closed"), default="open",
+                   help="open: Poisson arrivals at --rate (default); closed: --users users back to back")
+    p.add_argument("--users", type=int, default=4, help="closed loop: concurrent users (default 4)")
+    p.add_argument("--think-s", type=float, default=0, help="closed loop: pause between a user's requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt order, tiers and arrival times")
+    p.add_argument("--drain-s", type=float, default=120, help="wait this long for requests in flight after the arrivals")
+    p.add_argument("--config", help="serve_config.yaml for the service it starts (default: the repository's)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "loadtest", help="Locust SLO load test: TTFT/TPOT/ITL/E2E, SLO attainment and goodput per tier, HTML report",
+        description="Runs Locust headless (its own process) against --host, or against a service it starts from "
+        "serve_config.yaml on a free port and stops after. Prompts are ShareGPT validation prompts; each request "
+        "streams, with max_tokens = the prompt's true length capped at --max-tokens. Writes REPORT/summary.json, "
+        "report.html (latency CDFs, latency over time with the SLO, replicas over time), locust.html and Locust's "
+        "CSVs. `loadtest ab` compares the online pool's schedulers; `loadtest stub-check` tests the generator.",
+    )
+    _load_options(p)
+    p.add_argument("--stages", help="instead of --rate/--duration: name:seconds:level[,...], level = rps (open) or users "
+                   "(closed), start-end ramps, e.g. ramp:30:0.1-0.5,steady:60:0.5,burst:10:2")
+    p.add_argument("--host", help="URL of a running service (default: start one)")
+    p.add_argument("--scheduler", choices=("online", "fcfs"), help="online pool's scheduler for the service it starts")
+    p.add_argument("--report", default="reports/loadtest", help="report directory (default reports/loadtest)")
+    p.set_defaults(func=cmd_loadtest, stages=None)
+    lsub = p.add_subparsers(dest="loadtest_command")
+
+    a = lsub.add_parser("ab", help="the same load against the online scheduler `online` and `fcfs`, back to back",
+                        description="For each scheduler a fresh service (only pools.online.scheduler differs) gets the "
+                        "same prompts at the same Poisson arrival times, at each rate of --rates; prints mean E2E "
+                        "and goodput ratios per rate, writes ab.json, ab.png and every run's report.")
+    _load_options(a)
+    a.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.3, 0.5],
+                   help="comma-separated request rates, a sweep (default 0.3,0.5)")
+    a.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
+                   help="the two schedulers (default online,fcfs)")
+    a.add_argument("--repeats", type=int, default=1, help="repeat the pair (order alternates); medians (default 1)")
+    a.add_argument("--report", default="reports/loadtest_ab", help="report directory (default reports/loadtest_ab)")
+    a.set_defaults(func=cmd_ab, stages=None)
+
+    s = lsub.add_parser("stub-check", help="the load generator alone, at a multiple of a rate, against a stub endpoint",
+                        description="Starts loadtests/stub_server.py (streams max_tokens chunks, no model) and runs the "
+                        "open-loop load at --factor times --rate; reports the rate actually sent, send lag and failures.")
+    _load_options(s, rate_default=0.5)
+    s.add_argument("--factor", type=float, default=5, help="multiple of --rate to send (default 5)")
+    s.add_argument("--stub-ttft-ms", type=float, default=50)
+    s.add_argument("--stub-itl-ms", type=float, default=20)
+    s.add_argument("--report", default="reports/loadtest_stub", help="report directory (default reports/loadtest_stub)")
+    s.set_defaults(func=cmd_stub_check, stages=None)

@@ -1,0 +1,98 @@
+"""A load test's per-request records → summary.json (DESIGN.md's shape); plain Python + numpy.
+
+One record per request, written by the locustfile as the request ends: ``tier``, ``start`` (epoch s),
+``status`` (HTTP status, 0 when the connection failed), ``error`` (None or a message), ``ttft_ms``,
+``e2e_ms``, ``itl_ms`` (gaps between streamed content chunks), ``output_tokens`` (from the usage chunk).
+
+TPOT is (E2E − TTFT) / (output tokens − 1). A request meets its SLO when it succeeded and both its
+TTFT and its TPOT are within the tier's objectives; goodput is such requests per second of the test
+(DistServe's definition), SLO attainment their share of all requests sent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from loadtests.stages import TIERS
+
+
+class SLO(BaseModel):
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records file; a line cut short by a crash is skipped."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def tpot_ms(record: dict) -> float | None:
+    if record.get("error") or record.get("ttft_ms") is None:
+        return None
+    tokens = record.get("output_tokens") or 0
+    if tokens <= 1:
+        return 0.0
+    return (record["e2e_ms"] - record["ttft_ms"]) / (tokens - 1)
+
+
+def meets_slo(record: dict, slo: SLO) -> bool:
+    tpot = tpot_ms(record)
+    return tpot is not None and record["ttft_ms"] <= slo.ttft_ms and tpot <= slo.tpot_ms
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    a = np.asarray(values, dtype=float)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": round(float(p50), 2), "p90": round(float(p90), 2), "p99": round(float(p99), 2),
+            "mean": round(float(a.mean()), 2)}
+
+
+def wall_s(records: list[dict]) -> float:
+    """From the first request sent to the last one ended."""
+    if not records:
+        return 0.0
+    return max(r["start"] + r["e2e_ms"] / 1000 for r in records) - min(r["start"] for r in records)
+
+
+def tier_summary(records: list[dict], slo: SLO, seconds: float) -> dict:
+    ok = [r for r in records if not r.get("error")]
+    good = sum(meets_slo(r, slo) for r in ok)
+    return {
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        "ttft_ms": stats([r["ttft_ms"] for r in ok]),
+        "tpot_ms": stats([tpot_ms(r) for r in ok]),
+        "itl_ms": stats([gap for r in ok for gap in r.get("itl_ms") or []]),
+        "e2e_ms": stats([r["e2e_ms"] for r in ok]),
+        "slo_attainment": round(good / len(records), 4) if records else None,
+        "goodput_rps": round(good / seconds, 4) if seconds > 0 else 0.0,
+        "output_tokens_per_s": round(sum(r.get("output_tokens") or 0 for r in ok) / seconds, 2) if seconds > 0 else 0.0,
+    }
+
+
+def summarize(records: list[dict], slos: dict[str, SLO], config: dict) -> dict:
+    """summary.json: per tier (both always present), the SLOs, the offered rate and the test's length.
+    ``config`` carries what the run was asked for (rate, stages, mode, tier mix, max_tokens, host...)."""
+    seconds = wall_s(records)
+    return {
+        "tiers": {tier: tier_summary([r for r in records if r["tier"] == tier], slos[tier], seconds) for tier in TIERS},
+        "slo": {tier: slos[tier].model_dump() for tier in TIERS},
+        "rate": config.get("rate"),
+        "duration_s": round(seconds, 2),
+        "achieved_rps": round(len(records) / seconds, 4) if seconds > 0 else 0.0,
+        "config": config,
+    }
