@@ -20,9 +20,18 @@ import yaml
 from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, free_port, get_json
 
 
-def scheduler_config(source: Path, out: Path, scheduler: str) -> Path:
+def scheduler_config(source: Path, out: Path, scheduler: str, fixed_replicas: bool = False) -> Path:
+    """``source`` with the online pool's scheduler set; with ``fixed_replicas`` autoscaling is off and
+    each pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling)."""
     data = yaml.safe_load(source.read_text())
-    data["applications"][0]["args"]["pools"]["online"]["scheduler"] = scheduler
+    entry = data["applications"][0]
+    entry["args"]["pools"]["online"]["scheduler"] = scheduler
+    if fixed_replicas:
+        entry.pop("autoscaling_policy", None)
+        for d in entry.get("deployments", []):
+            scaling = d.pop("autoscaling_config", None)
+            if scaling:
+                d["num_replicas"] = max(1, scaling.get("initial_replicas") or scaling.get("min_replicas") or 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
@@ -62,7 +71,7 @@ def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, 
         order = schedulers if rep % 2 == 0 else tuple(reversed(schedulers))
         for scheduler in order:
             out = report / f"{scheduler}"
-            cfg = scheduler_config(config, out / "serve_config.yaml", scheduler)
+            cfg = scheduler_config(config, out / "serve_config.yaml", scheduler, fixed_replicas=True)
             service = Service(cfg, out / f"service_{rep}.log")
             try:
                 warm_up(service.url)

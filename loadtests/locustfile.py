@@ -143,7 +143,7 @@ class ChatUser(HttpUser):
             flying = [g for g in flying if not g.dead]
             due += rng.expovariate(rate)
         gevent.joinall(flying, timeout=RUN.options.fs_drain_s)
-        gevent.killall([g for g in flying if not g.dead], block=False)
+        gevent.killall([g for g in flying if not g.dead], block=True, timeout=10)
         RUN.done = True
 
     def send(self, item: dict, start: float, lag_ms: float = 0.0) -> None:
@@ -191,6 +191,13 @@ class ChatUser(HttpUser):
                         response.success()
         except Exception as exc:  # noqa: BLE001 - a failed request is a result, never a crashed user
             record["error"] = record["error"] or f"{type(exc).__name__}: {exc}"
+        except BaseException:  # GreenletExit: still running when the drain ended; counted as a failure
+            record["error"] = "not finished within the drain"
+            self._finish(record, t0)
+            raise
+        self._finish(record, t0)
+
+    def _finish(self, record: dict, t0: float) -> None:
         record["e2e_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         RUN.write(record)
         self._fire(record)
