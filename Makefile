@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan clean
+.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan loadtest loadtest-ab clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,13 @@ plan: prepare
 		--offline-tokens-per-day 1e9 --json reports/plan_70b.json --plot reports/plan_70b.png
 	$(VENV)/bin/foreserve plan simulate-day --model llama-3-8b --hardware H100-80G --json reports/day.json --plot reports/day.png
 	$(VENV)/bin/foreserve plan calibrate-cpu --repeats 5 --json reports/calibrate_cpu.json
+
+loadtest: prepare
+	$(VENV)/bin/foreserve loadtest --rate 0.2 --duration 120 --tier-mix online=0.7,flex=0.3 --report reports/loadtest
+
+loadtest-ab: prepare
+	$(VENV)/bin/foreserve loadtest stub-check --rate 0.3 --duration 60 --report reports/loadtest_stub
+	$(VENV)/bin/foreserve loadtest ab --rates 0.1,0.2,0.3 --duration 90 --drain-s 300 --report reports/loadtest_ab
 
 clean:
 	rm -rf $(VENV) reports

@@ -40,6 +40,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from loadtests.loadtest import run_load
 
     spec = _spec(args)
+    if args.host and (args.scheduler or args.config):
+        raise ValueError("--scheduler and --config set up the service loadtest starts; with --host the service is yours")
     config = Path(args.config) if args.config else None
     if not args.host:
         config = _scheduler_config(args, config)
@@ -122,7 +124,8 @@ def add_parser(sub) -> None:
     _load_options(p)
     p.add_argument("--stages", help="instead of --rate/--duration: name:seconds:level[,...], level = rps (open) or users "
                    "(closed), start-end ramps, e.g. ramp:30:0.1-0.5,steady:60:0.5,burst:10:2")
-    p.add_argument("--host", help="URL of a running service (default: start one)")
+    p.add_argument("--host", help="URL of a running service (default: start one); its API key, if any, from "
+                   "$FORESERVE_API_KEY")
     p.add_argument("--scheduler", choices=("online", "fcfs"), help="online pool's scheduler for the service it starts")
     p.add_argument("--report", default="reports/loadtest", help="report directory (default reports/loadtest)")
     p.set_defaults(func=cmd_loadtest, stages=None)

@@ -36,7 +36,7 @@ class EngineConfig(BaseModel):
     scheduler: str = Field("online", description="fcfs | offline | online.")
     ttft_slo_ms: float = Field(2000.0, gt=0, description="Online time-to-first-token objective.")
     tpot_slo_ms: float = Field(250.0, gt=0, description="Online time-per-output-token objective.")
-    aging_tokens_per_s: float = Field(100.0, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited.")
+    aging_tokens_per_s: float | None = Field(None, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited; default (None): one per engine step, the pace a running request would have kept.")
     num_buckets: int = Field(10, ge=1, description="Output-length buckets of the predictor.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks sharding one replica (DeepSpeed AutoTP).")
     tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")

@@ -31,11 +31,13 @@ class ChatResult:
         self.parts: list[str] = []
         self.prompt_tokens = first["prompt_tokens"]
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # what the engine generated so far (to resume on another replica)
         self.finish_reason: str | None = None
         self.sent_role = False
 
     def add(self, item: dict) -> None:
         self.parts.append(item["text"])
+        self.token_ids.extend(item.get("token_ids") or ())
         self.completion_tokens = item["completion_tokens"]
         if item["finished"]:
             self.finish_reason = "length" if item["finish_reason"] == "length" else "stop"

@@ -38,6 +38,8 @@ class GenerateRequest(BaseModel):
     prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens) from the predictor deployment; None reserves for max_tokens.")
     predictor_text: str | None = Field(None, description="The text the predictor read (kept in the feedback record).")
     predictor_version: str | None = None
+    resume_output_token_ids: list[int] = Field(default_factory=list, description="An answer resumed from a lost replica: the tokens it already generated (recomputed, not sent again).")
+    resume_emitted_chars: int = Field(0, ge=0, description="Characters of that answer the client already received.")
 
 
 class PredictionWindow:
@@ -95,12 +97,14 @@ class EngineServer:
             prediction=req.prediction,
             predictor_text=req.predictor_text,
             predictor_version=req.predictor_version,
+            output_token_ids=req.resume_output_token_ids or None,
+            emitted_chars=req.resume_emitted_chars,
         )
         emitted = self._emit_log(req.request_id)
         try:
             async for out in stream:
                 emitted.append(time.time())
-                if len(emitted) == 2:  # the first token: TTFT counts now, not when the answer ends
+                if len(emitted) == 2 and not req.resume_output_token_ids:  # the first token: TTFT counts now
                     self.ttfts.append((emitted[1], emitted[1] - emitted[0]))
                 finish_reason = FINISH_REASONS.get(out.finish_reason or "", out.finish_reason)
                 if out.finished:
@@ -113,6 +117,7 @@ class EngineServer:
                     "finish_reason": finish_reason,
                     "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": out.num_output_tokens,
+                    "token_ids": out.new_token_ids,
                 }
         except RequestRejected as exc:
             yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}

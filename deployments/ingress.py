@@ -290,24 +290,15 @@ class Ingress:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream_events(stream, result, include_usage)
+            events = self._stream_events(self._answer(request, body.pool, stream, result), result, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        for attempt in range(1, REQUEUE_ATTEMPTS + 1):
-            try:
-                async for item in _rest(stream, first):
-                    result.add(item)
-                break
-            except REPLICA_LOST as exc:  # drained by a scale-down, or died: requeue, recompute from the prompt
-                stream.cancel()
-                if attempt == REQUEUE_ATTEMPTS:
-                    raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
-                logger.warning("%s lost its %s replica mid-answer (%s); requeued", request.request_id, body.pool,
-                               type(exc).__name__)
-                stream, first = await self._start(request, body.pool)
-                result = ChatResult(request.request_id, self.model_id, tier, t0, first)
-            except Exception as exc:  # noqa: BLE001 - anything else mid-answer: retryable for the client
-                stream.cancel()
-                raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
+        try:
+            async for item in self._answer(request, body.pool, stream, result):
+                result.add(item)
+        except errors.APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything else mid-answer: retryable for the client
+            raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
         self._observe(result)
         return JSONResponse(completion(result).model_dump(), headers=headers)
 
@@ -341,21 +332,52 @@ class Ingress:
             raise errors.bad_request(first["error"]["message"], param="max_tokens", code="context_length_exceeded")
         return first
 
-    async def _stream_events(self, stream, result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
-        finished = False
+    async def _answer(self, request: GenerateRequest, pool: str, stream, result: ChatResult) -> AsyncIterator[dict]:
+        """The engine's items for ``request`` (``result.first`` first). A replica lost mid-answer (a
+        scale-down drained it past its graceful shutdown, or it died) does not end the answer: it is
+        resumed on another replica of the pool, which recomputes the prompt and the tokens so far,
+        like a preempted sequence, and goes on from there (up to ``REQUEUE_ATTEMPTS`` times)."""
+        first = result.first
         try:
-            async for item in _rest(stream, result.first):
+            for attempt in range(1, REQUEUE_ATTEMPTS + 1):
+                try:
+                    async for item in _rest(stream, first):
+                        yield item
+                    stream = None  # answered: nothing left to cancel
+                    return
+                except REPLICA_LOST as exc:
+                    stream.cancel()
+                    if attempt == REQUEUE_ATTEMPTS:
+                        raise errors.unavailable(f"The {pool} pool failed while answering: {type(exc).__name__}") from None
+                    done = len(result.token_ids)
+                    logger.warning("%s lost its %s replica after %d tokens (%s); resuming on another",
+                                   request.request_id, pool, done, type(exc).__name__)
+                    self.metrics.resumed(result.tier)
+                    if done >= request.sampling.max_tokens:  # only the final item was lost
+                        stream = None
+                        yield {"request_id": request.request_id, "text": "", "finished": True, "finish_reason": "length",
+                               "prompt_tokens": result.prompt_tokens, "completion_tokens": done, "token_ids": []}
+                        return
+                    resumed = request.model_copy(update={"resume_output_token_ids": list(result.token_ids),
+                                                         "resume_emitted_chars": len(result.text)})
+                    stream, first = await self._start(resumed, pool)
+        finally:
+            if stream is not None:  # the client went away, or the answer failed: stop the engine's work
+                stream.cancel()
+
+    async def _stream_events(self, items: AsyncIterator[dict], result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            async for item in items:
                 result.add(item)
                 for event in sse_chunks(result, item, include_usage):
                     yield event
-                finished = item["finished"]
             self._observe(result)
         except Exception as exc:  # noqa: BLE001 - headers are gone: report in-band, then end the stream
             logger.exception("stream %s failed", result.request_id)
             yield "data: " + json.dumps(errors.unavailable(f"generation failed: {exc}").body()) + "\n\n"
         finally:
-            if not finished:  # client went away or the stream broke: abort in the engine
-                stream.cancel()
+            # NOTE: closing the generator cancels the engine stream in use when the client went away
+            await items.aclose()
         yield "data: [DONE]\n\n"
 
     def _observe(self, result: ChatResult) -> None:

@@ -21,6 +21,7 @@ class RequestMetrics:
         self.requests = Counter("foreserve_requests", "Requests by tier and HTTP status.", ("tier", "status"))
         self.output_tokens = Counter("foreserve_output_tokens", "Generated tokens.", tier)
         self.fallbacks = Counter("foreserve_predictor_fallbacks", "Requests that reserved max_tokens because the predictor failed or timed out.", tier)
+        self.resumes = Counter("foreserve_resumed_answers", "Answers resumed on another replica after theirs was lost mid-answer.", tier)
 
     def finished(self, tier: str, ttft_s: float, e2e_s: float, output_tokens: int) -> None:
         tags = {"tier": tier}
@@ -35,6 +36,9 @@ class RequestMetrics:
 
     def fallback(self, tier: str) -> None:
         self.fallbacks.inc(1, {"tier": tier})
+
+    def resumed(self, tier: str) -> None:
+        self.resumes.inc(1, {"tier": tier})
 
 
 class PoolMetrics:

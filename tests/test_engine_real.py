@@ -84,6 +84,38 @@ def test_async_stream_text_matches_tokens_and_stop_string(engine_parts):
     assert outs[-1].finish_reason == "stopped"
 
 
+def test_an_answer_resumed_from_its_tokens_goes_on_exactly(engine_parts):
+    """What the ingress does when a replica is lost mid-answer: another engine gets the prompt plus the
+    tokens so far, recomputes them and continues: the same greedy tokens, the text the client has not
+    seen yet (here: what the first replica held back for a stop string), counts including the resumed."""
+    config, runner, prompts, _ = engine_parts
+    tok = runner.tokenizer
+    ids = tok.encode(prompts[1], add_special_tokens=False)
+    sampling = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(config, runner, config.kv_pool_blocks(1), tokenizer=runner.tokenizer)
+    engine.add_request(ids, sampling, request_id="whole", prediction=(0, None, NEW))
+    whole = []
+    while engine.has_unfinished_requests():
+        whole += engine.step()
+    full = [t for o in whole for t in o.new_token_ids]
+    text = "".join(o.text_delta for o in whole)
+    assert len(full) == NEW and text == tok.decode(full, skip_special_tokens=True)
+    done = 8
+    seen = len(tok.decode(full[:done], skip_special_tokens=True)) - 3  # the first replica held 3 chars back
+    req = engine.add_request(ids, sampling, request_id="resumed",
+                             prediction=(0, None, 4), output_token_ids=full[:done], emitted_chars=seen)
+    assert req.predicted_output_tokens == done + 1  # never below what is already there
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == full[done:]
+    assert "".join(o.text_delta for o in outs) == text[seen:]
+    assert outs[-1].num_output_tokens == NEW and outs[-1].finish_reason == "length"
+    with pytest.raises(Exception, match="nothing left"):
+        engine.add_request(ids, SamplingParams(max_tokens=4),
+                           prediction=(0, None, 4), output_token_ids=full[:4])
+
+
 def test_generate_cli_streams_an_answer():
     proc = subprocess.run([sys.executable, "-m", "app.cli", "generate", "What is 2+2?", "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300)

@@ -104,8 +104,8 @@ def test_prediction_window_counts_natural_finishes_only():
 class _Stream:
     """A streaming handle response: raises ``error`` at the first item, else yields ``items``."""
 
-    def __init__(self, items: list[dict], error: Exception | None = None) -> None:
-        self.items, self.error, self.cancelled = list(items), error, False
+    def __init__(self, items: list[dict], error: Exception | None = None, fail_after: Exception | None = None) -> None:
+        self.items, self.error, self.fail_after, self.cancelled = list(items), error, fail_after, False
 
     def __aiter__(self):
         return self
@@ -114,7 +114,7 @@ class _Stream:
         if self.error is not None:
             raise self.error
         if not self.items:
-            raise StopAsyncIteration
+            raise self.fail_after or StopAsyncIteration()
         return self.items.pop(0)
 
     def cancel(self) -> None:
@@ -125,7 +125,7 @@ class _Pool:
     """A pool handle whose successive calls return the given streams."""
 
     def __init__(self, streams: list[_Stream]) -> None:
-        self.streams, self.calls = list(streams), 0
+        self.streams, self.calls, self.requests = list(streams), 0, []
         self.generate = self
 
     def options(self, **_):
@@ -133,6 +133,7 @@ class _Pool:
 
     def remote(self, request: dict) -> _Stream:
         self.calls += 1
+        self.requests.append(request)
         return self.streams.pop(0)
 
 
@@ -158,3 +159,51 @@ def test_a_drained_replica_is_requeued_not_lost():
     with pytest.raises(errors.APIError) as err:
         asyncio.run(ingress._start(GenerateRequest(), "offline"))
     assert err.value.status_code == 503
+
+
+def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:
+    return {**_item(text, n, finished, "length" if finished else None), "token_ids": [token]}
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
+    """The stream goes on where it stopped: the next replica gets the tokens so far and how much text
+    the client has; the client sees every character once and usage counts all tokens."""
+    from ray.exceptions import ActorDiedError
+
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    class Metrics:
+        resumes = 0
+
+        def resumed(self, tier: str) -> None:
+            Metrics.resumes += 1
+
+        def finished(self, *_) -> None:
+            pass
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    ingress.metrics = Metrics()
+    broken = _Stream([_token_item("Hel", 1, 11), _token_item("lo", 2, 12)], fail_after=ActorDiedError())
+    rest = _Stream([_token_item(" wor", 3, 13), _token_item("ld", 4, 14, finished=True)])
+    ingress.pools = {"online": _Pool([rest])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=4))
+
+    async def go():
+        first = await broken.__anext__()
+        result = ChatResult(request.request_id, "m", "online", 0.0, first)
+        events = [e async for e in ingress._stream_events(ingress._answer(request, "online", broken, result), result, True)]
+        return result, events
+
+    result, events = asyncio.run(go())
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]\n\n" and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello world"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and result.token_ids == [11, 12, 13, 14]
+    resumed = ingress.pools["online"].requests[0]
+    assert resumed["resume_output_token_ids"] == [11, 12] and resumed["resume_emitted_chars"] == 5
+    assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["request_id"] == request.request_id
+    assert broken.cancelled and not rest.cancelled and Metrics.resumes == 1

@@ -20,6 +20,17 @@ class Detokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
         self._emitted = 0  # chars of self.text already returned
 
+    def resume(self, token_ids: list[int], emitted_chars: int) -> None:
+        """Continue after ``token_ids`` whose first ``emitted_chars`` characters the client already has
+        (an answer resumed on another replica): the rest, e.g. text held back for a stop string, is
+        still to come. Tokens that end in an incomplete character stay unread."""
+        read = len(token_ids)
+        while read and self.tokenizer.decode(token_ids[:read], skip_special_tokens=True).endswith("\ufffd"):
+            read -= 1
+        self.text = self.tokenizer.decode(token_ids[:read], skip_special_tokens=True)
+        self._prefix, self._read = max(read - 4, 0), read
+        self._emitted = min(emitted_chars, len(self.text))
+
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Consume all tokens so far; return (new text, stop string hit)."""
         decode = self.tokenizer.decode

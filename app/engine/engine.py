@@ -124,11 +124,17 @@ class LLMEngine:
         detokenize: bool = True,
         predictor_text: str | None = None,
         predictor_version: str | None = None,
+        output_token_ids: list[int] | None = None,
+        emitted_chars: int = 0,
     ) -> Request:
         """Queue a request. ``prediction`` is (bucket, probabilities, bound_tokens); without it
         the engine's predictor is asked with ``predictor_text`` (the user's message; default the
         prompt), one prompt at a time: batch callers should pass it. A failing predictor never
-        fails the request: it falls back to ``max`` reservation and is counted."""
+        fails the request: it falls back to ``max`` reservation and is counted.
+
+        ``output_token_ids`` resumes an answer another replica started (and lost): they count as
+        generated (max_tokens, stop strings, feedback), are recomputed like a preempted sequence's,
+        and only the text after the first ``emitted_chars`` characters is streamed."""
         sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
         if prompt_token_ids is None:
             if prompt is None or self.tokenizer is None:
@@ -136,6 +142,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
+        if output_token_ids and len(output_token_ids) >= sampling.max_tokens:
+            raise RequestRejected(f"nothing left to generate: {len(output_token_ids)} of max_tokens {sampling.max_tokens} done")
         total = len(prompt_token_ids) + sampling.max_tokens
         limit = min(self.config.max_model_len_tokens, self.pool.capacity_tokens)
         if total > limit:
@@ -161,12 +169,16 @@ class LLMEngine:
             true_output_tokens=true_output_tokens,
             force_true_length=force_true_length and true_output_tokens is not None,
             prompt=prompt,
+            output_token_ids=list(output_token_ids or []),
         )
+        req.predicted_output_tokens = min(max(req.predicted_output_tokens, req.num_output_tokens + 1), sampling.max_tokens)
         self.scheduler.add(req)
         if self.feedback is not None and predictor_text is not None:
             self._feedback_info[req.request_id] = (predictor_text, predictor_version)
         if detokenize and self.tokenizer is not None:
             self._detok[req.request_id] = Detokenizer(self.tokenizer, sampling.stop)
+            if req.output_token_ids:
+                self._detok[req.request_id].resume(req.output_token_ids, emitted_chars)
         return req
 
     def predict(self, text: str) -> tuple[tuple[int, list[float], int], str | None]:

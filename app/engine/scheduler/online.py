@@ -1,11 +1,14 @@
 """Latency scheduler for the online pool: predicted shortest-remaining-first with aging,
 a TPOT-capped step and TTFT-aware anti-starvation.
 
-- Order: ``predicted remaining tokens - aging_tokens_per_s * seconds waited`` (priority first),
-  so short answers go first and every request's key falls steadily until it reaches the head.
+- Order: ``predicted remaining tokens - aging rate * seconds waited`` (priority first), so short
+  answers go first and every request's key falls steadily until it reaches the head. The aging
+  rate is by default one token per engine step (the measured mean step time): a waiting request is
+  credited the tokens it would have produced running, so it waits at most about its own run time
+  behind shorter work, on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).
 - TPOT: the step time is learned online as ``a + b * tokens`` (exponentially weighted least
-  squares over measured steps); the per-step token budget is capped so a step stays within the
-  TPOT objective, which bounds decode batch size and prefill chunks alike.
+  squares over measured steps); the per-step token budget is capped so a step stays within
+  ``TPOT_HEADROOM`` of the TPOT objective, which bounds decode batch size and prefill chunks alike.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
@@ -16,6 +19,10 @@ from app.engine.request import Request
 from app.engine.scheduler.base import Scheduler
 
 MIN_STEP_TOKENS = 16  # never starve prefill entirely, whatever the step-time model says
+# NOTE: steps vary around the model's estimate (prefill chunks, attention over longer contexts);
+# aiming at the SLO itself would put half the steps above it.
+TPOT_HEADROOM = 0.85
+STEP_EWMA = 0.1  # weight of the newest step in the mean step time that sets the aging rate
 
 
 class StepTimeModel:
@@ -59,21 +66,26 @@ class OnlineScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.step_model = StepTimeModel()
+        self.mean_step_s: float | None = None
 
-    def _score(self, req: Request, now: float) -> float:
-        waited_s = now - req.arrival_s
-        return req.predicted_remaining_tokens - self.config.aging_tokens_per_s * waited_s
+    def aging_tokens_per_s(self) -> float:
+        if self.config.aging_tokens_per_s is not None:
+            return self.config.aging_tokens_per_s
+        return 1.0 / self.mean_step_s if self.mean_step_s else 0.0
+
+    def _score(self, req: Request, now: float, aging: float) -> float:
+        return req.predicted_remaining_tokens - aging * (now - req.arrival_s)
 
     def waiting_order(self) -> list[Request]:
-        now = self.clock()
-        return sorted(self.waiting, key=lambda r: (-r.priority, self._score(r, now), r.arrival_s))
+        now, aging = self.clock(), self.aging_tokens_per_s()
+        return sorted(self.waiting, key=lambda r: (-r.priority, self._score(r, now, aging), r.arrival_s))
 
     def running_key(self, req: Request) -> tuple:
         # Victims are taken from the end: lowest priority, then most predicted work left.
         return (-req.priority, req.predicted_remaining_tokens, self._admit_order[req.request_id])
 
     def step_token_budget(self) -> int:
-        cap = self.step_model.max_tokens_within(self.config.tpot_slo_ms / 1000.0)
+        cap = self.step_model.max_tokens_within(TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0)
         if cap is None:
             return self.config.max_num_batched_tokens
         return max(MIN_STEP_TOKENS, min(cap, self.config.max_num_batched_tokens))
@@ -88,3 +100,4 @@ class OnlineScheduler(Scheduler):
 
     def observe_step(self, num_tokens: int, step_s: float) -> None:
         self.step_model.observe(num_tokens, step_s)
+        self.mean_step_s = step_s if self.mean_step_s is None else (1 - STEP_EWMA) * self.mean_step_s + STEP_EWMA * step_s
