@@ -57,7 +57,8 @@ def _scheduler_config(args: argparse.Namespace, config: Path | None) -> Path | N
     from app.config import DEFAULT_CONFIG_PATH
     from loadtests.ab import scheduler_config
 
-    return scheduler_config(config or DEFAULT_CONFIG_PATH, Path(args.report) / "serve_config.yaml", args.scheduler)
+    return scheduler_config(config or DEFAULT_CONFIG_PATH, Path(args.report) / "serve_config.yaml", args.scheduler,
+                            _spec(args).slos["online"])
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
@@ -126,13 +127,15 @@ def add_parser(sub) -> None:
                    "(closed), start-end ramps, e.g. ramp:30:0.1-0.5,steady:60:0.5,burst:10:2")
     p.add_argument("--host", help="URL of a running service (default: start one); its API key, if any, from "
                    "$FORESERVE_API_KEY")
-    p.add_argument("--scheduler", choices=("online", "fcfs"), help="online pool's scheduler for the service it starts")
+    p.add_argument("--scheduler", choices=("online", "fcfs"),
+                   help="online pool's scheduler for the service it starts (its SLOs then become the test's)")
     p.add_argument("--report", default="reports/loadtest", help="report directory (default reports/loadtest)")
     p.set_defaults(func=cmd_loadtest, stages=None)
     lsub = p.add_subparsers(dest="loadtest_command")
 
     a = lsub.add_parser("ab", help="the same load against the online scheduler `online` and `fcfs`, back to back",
-                        description="For each scheduler a fresh service (only pools.online.scheduler differs) gets the "
+                        description="For each scheduler a fresh service (only pools.online.scheduler differs; the online "
+                        "pool is given the test's SLOs; autoscaling off, each pool at its initial replicas) gets the "
                         "same prompts at the same Poisson arrival times, at each rate of --rates; prints mean E2E "
                         "and goodput ratios per rate, writes ab.json, ab.png and every run's report.")
     _load_options(a)

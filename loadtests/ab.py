@@ -2,7 +2,8 @@
 online pool's scheduler ``online`` and ``fcfs`` back to back, at one or more rates; and
 ``foreserve loadtest stub-check``: the load generator alone against a stub endpoint.
 
-Each scheduler gets a fresh service (serve_config.yaml with only ``pools.online.scheduler`` changed);
+Each scheduler gets a fresh service (serve_config.yaml with only ``pools.online.scheduler`` changed,
+the online pool given the test's SLOs, autoscaling off);
 with ``repeats`` > 1 the order alternates and medians are reported.
 """
 
@@ -18,14 +19,18 @@ from pathlib import Path
 import yaml
 
 from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, free_port, get_json
+from loadtests.summary import SLO
 
 
-def scheduler_config(source: Path, out: Path, scheduler: str, fixed_replicas: bool = False) -> Path:
-    """``source`` with the online pool's scheduler set; with ``fixed_replicas`` autoscaling is off and
-    each pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling)."""
+def scheduler_config(source: Path, out: Path, scheduler: str, slo: SLO | None = None, fixed_replicas: bool = False) -> Path:
+    """``source`` with the online pool's scheduler set and, with ``slo``, its TTFT/TPOT objectives (the
+    scheduler aims at the SLOs the test measures); with ``fixed_replicas`` autoscaling is off and each
+    pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling)."""
     data = yaml.safe_load(source.read_text())
     entry = data["applications"][0]
     entry["args"]["pools"]["online"]["scheduler"] = scheduler
+    if slo is not None:
+        entry["args"]["pools"]["online"].update(ttft_slo_ms=slo.ttft_ms, tpot_slo_ms=slo.tpot_ms)
     if fixed_replicas:
         entry.pop("autoscaling_policy", None)
         for d in entry.get("deployments", []):
@@ -71,7 +76,7 @@ def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, 
         order = schedulers if rep % 2 == 0 else tuple(reversed(schedulers))
         for scheduler in order:
             out = report / f"{scheduler}"
-            cfg = scheduler_config(config, out / "serve_config.yaml", scheduler, fixed_replicas=True)
+            cfg = scheduler_config(config, out / "serve_config.yaml", scheduler, spec.slos["online"], fixed_replicas=True)
             service = Service(cfg, out / f"service_{rep}.log")
             try:
                 warm_up(service.url)

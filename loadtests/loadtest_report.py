@@ -64,11 +64,15 @@ def plot_over_time(records: list[dict], summary: dict, health: list[dict], path:
     ax = axes[2]
     if health:
         times = [h["t"] - t0 for h in health]
-        for pool in ("online", "offline"):
+        top = 1
+        for pool, style in (("online", dict(linewidth=3)), ("offline", dict(linestyle="--", linewidth=2))):
             replicas = [(h.get("replicas") or {}).get(pool) for h in health]
             if any(isinstance(v, int) for v in replicas):
+                top = max([top] + [v for v in replicas if isinstance(v, int)])
                 ax.step(times, [v if isinstance(v, int) else np.nan for v in replicas], where="post",
-                        color=COLORS[pool], label=f"{pool} replicas")
+                        color=COLORS[pool], label=f"{pool} replicas", **style)
+        ax.set_ylim(-0.2, top + 0.5)
+        ax.yaxis.get_major_locator().set_params(integer=True)
         twin = ax.twinx()
         for pool in ("online", "offline"):
             waiting = [((h.get("pools") or {}).get(pool) or {}).get("num_waiting") for h in health]

@@ -84,16 +84,23 @@ class OnlineScheduler(Scheduler):
         # Victims are taken from the end: lowest priority, then most predicted work left.
         return (-req.priority, req.predicted_remaining_tokens, self._admit_order[req.request_id])
 
+    def _tpot_cap(self) -> int | None:
+        """Tokens per step that keep a step within the TPOT objective (None until measured)."""
+        return self.step_model.max_tokens_within(TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0)
+
     def step_token_budget(self) -> int:
-        cap = self.step_model.max_tokens_within(TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0)
+        cap = self._tpot_cap()
         if cap is None:
             return self.config.max_num_batched_tokens
         return max(MIN_STEP_TOKENS, min(cap, self.config.max_num_batched_tokens))
 
     def max_running(self) -> int:
         # NOTE: each running sequence decodes one token a step, so the TPOT cap on tokens per
-        # step is also the cap on the decode batch: admitting past it would break the SLO.
-        return min(self.config.max_num_seqs, self.step_token_budget())
+        # step is also the cap on the decode batch: admitting past it would break the SLO. Not
+        # the floored step budget: an objective below the step's fixed cost must shrink the batch
+        # to one, not let it grow to MIN_STEP_TOKENS.
+        cap = self._tpot_cap()
+        return self.config.max_num_seqs if cap is None else max(1, min(self.config.max_num_seqs, cap))
 
     def must_wait_for(self, req: Request) -> bool:
         return self.clock() - req.arrival_s > 0.5 * self.config.ttft_slo_ms / 1000.0
