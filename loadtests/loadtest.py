@@ -8,6 +8,7 @@ ray or mlflow in one process), the service in another (``foreserve serve`` on a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -148,7 +149,7 @@ def run_locust(spec: LoadSpec, host: str, report: Path, workload: Path, api_key:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
            "--csv", str(report / "locust"), "--csv-full-history", "--html", str(report / "locust.html"),
            "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
-           "--stop-timeout", str(spec.drain_s),  # closed loop: users finish the request they are in
+           "--stop-timeout", str(math.ceil(spec.drain_s)),  # closed loop: users finish the request they are in
            "--fs-workload", str(workload), "--fs-stages", spec.stages, "--fs-mode", spec.mode,
            "--fs-records", str(report / "requests.jsonl"), "--fs-seed", str(spec.seed),
            "--fs-drain-s", str(spec.drain_s), "--fs-think-s", str(spec.think_s),
