@@ -257,3 +257,22 @@ def test_serve_config_pools_load_and_unknown_pool_is_rejected(tmp_path):
         load_pool_config("online", bad)
     with pytest.raises(ValueError, match="no pool 'batch'"):
         load_pool_config("batch", bad)
+
+
+def test_online_tpot_cap_and_aging_follow_the_measured_steps():
+    """The decode batch shrinks (to one) when even a small step misses the TPOT objective, never grows
+    to the prefill floor; aging forgives one token per measured step."""
+    from app.engine.scheduler.online import MIN_STEP_TOKENS, TPOT_HEADROOM
+
+    sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0).scheduler
+    assert sched.max_running() == sched.config.max_num_seqs and sched.aging_tokens_per_s() == 0.0  # nothing measured
+    for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # a fixed cost above the objective: 300 ms + 1 ms a token
+        sched.observe_step(tokens, 0.3 + 0.001 * tokens)
+    assert sched.max_running() == 1 and sched.step_token_budget() == MIN_STEP_TOKENS
+    sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0).scheduler
+    for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # 50 ms + 10 ms a token
+        sched.observe_step(tokens, 0.05 + 0.01 * tokens)
+    assert sched.max_running() == int((TPOT_HEADROOM * 0.25 - 0.05) / 0.01)
+    assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06  # one token per (recent mean) step
+    fixed = make_engine("reserve_predicted", "online", aging_tokens_per_s=7.0).scheduler
+    assert fixed.aging_tokens_per_s() == 7.0
