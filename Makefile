@@ -68,11 +68,13 @@ plan: prepare
 	$(VENV)/bin/foreserve plan calibrate-cpu --repeats 5 --json reports/calibrate_cpu.json
 
 loadtest: prepare
-	$(VENV)/bin/foreserve loadtest --rate 0.2 --duration 120 --tier-mix online=0.7,flex=0.3 --report reports/loadtest
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest --stages ramp:30:0.05-0.2,steady:60:0.2,burst:15:0.6 \
+		--tier-mix online=0.7,flex=0.3 --report reports/loadtest
 
 loadtest-ab: prepare
-	$(VENV)/bin/foreserve loadtest stub-check --rate 0.3 --duration 60 --report reports/loadtest_stub
-	$(VENV)/bin/foreserve loadtest ab --rates 0.1,0.2,0.3 --duration 90 --drain-s 300 --report reports/loadtest_ab
+	$(VENV)/bin/foreserve loadtest stub-check --rate 0.3 --factor 5 --duration 60 --report reports/loadtest_stub
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest ab --rates 0.2,0.3 --duration 90 --drain-s 300 --tpot-slo-ms 300 \
+		--report reports/loadtest_ab
 
 clean:
 	rm -rf $(VENV) reports
