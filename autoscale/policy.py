@@ -71,8 +71,10 @@ def online_decision(sig: PoolSignals, cfg: ScalingConfig) -> tuple[Decision, boo
     slo_load = sig.slo_ratio / cfg.scale_up_slo_ratio
     kv_load = occupancy / cfg.scale_up_occupancy
     # NOTE: queued_requests is averaged over look_back_period_s: >= 1 means requests kept queueing at
-    # the handles (every replica at max_ongoing_requests), not one that waited for a replica to start
-    queued = sig.queued_requests >= 1
+    # the handles (every replica at max_ongoing_requests), not one that waited for a replica to start.
+    # Replicas with no request in their engines are not full: that queue is a startup's (calls wait
+    # until the handles learn of the new replicas), and taking offline's replica would not help it.
+    queued = sig.queued_requests >= 1 and sig.ongoing_per_replica > 0
     if queued or slo_load > 1 or kv_load > 1:
         reason = "queued" if queued and max(slo_load, kv_load) <= 1 else (
             "slo" if slo_load >= kv_load else "occupancy")

@@ -15,7 +15,7 @@ OFFLINE = DeploymentID(name="offline", app_name="foreserve")
 CAPACITY = 8192
 
 
-def replica_metrics(replicas: int, *, ttft_ms=0.0, tpot_ms=0.0, oldest_ms=0.0, kv_used=0, waiting=0) -> dict:
+def replica_metrics(replicas: int, *, ttft_ms=0.0, tpot_ms=0.0, oldest_ms=0.0, kv_used=0, waiting=0, running=0) -> dict:
     ids = [f"r{i}" for i in range(replicas)]
 
     def each(value):
@@ -25,7 +25,7 @@ def replica_metrics(replicas: int, *, ttft_ms=0.0, tpot_ms=0.0, oldest_ms=0.0, k
         "kv_capacity_tokens": each(CAPACITY), "kv_used_tokens": each(kv_used),
         "waiting_predicted_tokens": each(waiting), "recent_ttft_ms_p90": each(ttft_ms),
         "recent_tpot_ms_p90": each(tpot_ms), "oldest_pending_ms": each(oldest_ms),
-        "ttft_slo_ms": each(2000), "tpot_slo_ms": each(250),
+        "ttft_slo_ms": each(2000), "tpot_slo_ms": each(250), "num_running": each(running), "num_waiting": each(0),
     }
 
 
@@ -55,9 +55,17 @@ def tick(policy, online, offline):
 def test_online_scales_up_on_slo_kv_queue_age_and_handle_queue(policy):
     calm_offline = context(OFFLINE, 1, min_replicas=0, max_replicas=2)
     for signal in ({"ttft_ms": 1900}, {"tpot_ms": 240}, {"oldest_ms": 1700}, {"kv_used": 6000, "waiting": 2000},
-                   {"queued": 3.0}):
+                   {"queued": 3.0, "running": 8}):
         online, offline, _ = tick(policy, context(ONLINE, 1, min_replicas=1, max_replicas=2, **signal), calm_offline)
         assert (online, offline) == (2, 0), signal  # online grows, offline yields its replica
+
+
+def test_a_startup_queue_is_not_pressure(policy):
+    """Calls queued at the online handle while its replica has no work (the handles do not know the new
+    replica yet) must not make offline give up its replica."""
+    calm_offline = context(OFFLINE, 1, min_replicas=0, max_replicas=2)
+    online, offline, _ = tick(policy, context(ONLINE, 1, min_replicas=1, max_replicas=2, queued=2.0), calm_offline)
+    assert (online, offline) == (1, 1)
 
 
 def test_online_holds_between_levels_and_shrinks_one_at_a_time_when_calm(policy):
