@@ -39,7 +39,7 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
             q = t[key]
             assert 0 < q["p50"] <= q["p90"] <= q["p99"] and q["mean"] > 0, (name, key, q)
         assert t["ttft_ms"]["p99"] <= t["e2e_ms"]["p99"] and t["e2e_ms"]["p99"] < 300_000
-        assert 0 <= t["slo_attainment"] <= 1 and 0 <= t["goodput_rps"] <= t["requests"] / summary["duration_s"] + 1e-9
+        assert 0 <= t["slo_attainment"] <= 1 and 0 <= t["goodput_rps"] <= t["requests"] / summary["duration_s"] + 1e-3  # rounded
         assert t["output_tokens_per_s"] > 0
     # every answered request got exactly its max_tokens (ignore_eos, the benchmark convention)
     assert all(r["output_tokens"] == r["max_tokens"] <= 32 for r in records)
