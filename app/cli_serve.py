@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -13,6 +14,13 @@ from pathlib import Path
 # Passed to every replica: the same data dir, offline hub, no telemetry, same API keys.
 FORWARDED_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
                  "MLFLOW_TRACKING_URI", "FORESERVE_API_KEYS")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a service started on the side)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> None:

@@ -41,7 +41,8 @@ from deployments.engine_server import GenerateRequest
 logger = logging.getLogger("ray.serve")
 
 # A replica that went away under a request (drained by a scale-down past graceful_shutdown_timeout_s,
-# or died): the request is sent again and recomputed from its prompt, like a preempted sequence.
+# or died): the request is resumed on another replica, which recomputes what was there, like a
+# preempted sequence (Ingress._start before the first token, Ingress._answer after it).
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 REQUEUE_ATTEMPTS = 3
 async def _rest(stream, first: dict) -> AsyncIterator[dict]:

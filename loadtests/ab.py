@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, free_port, get_json
+from app.cli_serve import free_port
+from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, get_json, served_model
 from loadtests.summary import SLO
 
 
@@ -46,7 +47,7 @@ def warm_up(url: str) -> None:
     """One short request per tier: the first forward passes of a fresh replica are slow."""
     import httpx
 
-    model = (get_json(f"{url}/health") or {}).get("model", "")
+    model = served_model(url)
     for tier in ("default", "flex"):
         body = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "service_tier": tier}
         httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)

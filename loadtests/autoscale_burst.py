@@ -10,7 +10,6 @@ it was back, counted from the burst's start and end, and the policy's decisions 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -70,15 +69,13 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
     """The scenario; returns timings, request outcomes and the decision log entries it caused."""
     import tempfile
 
-    from app.cli_serve import _stop, start
+    from app.cli_serve import _stop, free_port, start
     from app.config import APP_NAME, DEFAULT_CONFIG_PATH
     from autoscale.decisions import default_log_path, read_decisions
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="foreserve-burst-"))
     cfg = burst_config(Path(config) if config else DEFAULT_CONFIG_PATH, work / "serve_config.yaml", ttft_slo_ms, calm_s)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_path = default_log_path()
     logged_before = len(read_decisions(log_path))
     url, startup_s, app_config = start(str(cfg), port=port)

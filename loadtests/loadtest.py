@@ -12,7 +12,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from app.cli_serve import free_port
 from loadtests.stages import Stages, parse_stages
 from loadtests.summary import SLO, read_records, summarize
 
@@ -64,12 +64,6 @@ def build_workload(spec: LoadSpec, path: Path, split: str = "validation") -> int
         lines.append(json.dumps({"prompt": r.user, "max_tokens": min(r.output_tokens, spec.max_tokens), "tier": tier}))
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout_s: float = 10) -> dict | None:

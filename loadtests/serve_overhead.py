@@ -13,7 +13,6 @@ the request and emitted each item (same machine, same clock), so per request:
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import time
 
@@ -45,11 +44,9 @@ def _one(client, url: str, model: str, max_tokens: int) -> tuple[str, float, lis
 def run(requests: int = 20, max_tokens: int = 32, config: str | None = None) -> dict:
     from ray import serve
 
-    from app.cli_serve import _stop, start
+    from app.cli_serve import _stop, free_port, start
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.perf_counter()
     url, deploy_s, app_config = start(config, port=port)
     model = app_config.pools["online"].served_model_name

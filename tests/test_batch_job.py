@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app import paths
+from app.cli_serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -143,10 +143,6 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
         ray.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_job_stopped_and_resubmitted_with_same_id_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -159,7 +155,7 @@ def test_ray_job_stopped_and_resubmitted_with_same_id_resumes(tmp_path: Path, mo
     env = _home(tmp_path, monkeypatch)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
     _sums(src, 6, 24)
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              runtime_env={"env_vars": env})
     try:

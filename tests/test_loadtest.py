@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from loadtests.loadtest import ROOT, LoadSpec, _measure, build_workload, free_port, get_json
+from app.cli_serve import free_port
+from loadtests.loadtest import ROOT, LoadSpec, _measure, build_workload, get_json
 from loadtests.stages import parse_stages, parse_tier_mix
 from loadtests.summary import SLO, meets_slo, summarize, tpot_ms
 

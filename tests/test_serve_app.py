@@ -44,8 +44,7 @@ def _config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    import socket
-
+    from app.cli_serve import free_port
     from app.cli_serve import _stop, start
     from predictor import registry
     from predictor.pipeline import train_and_register
@@ -61,9 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     mp.delenv("FORESERVE_API_KEYS", raising=False)
     train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)  # a tiny champion: version 1
     assert registry.champion_version() == "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     try:
         url, took_s, _ = start(str(_config(tmp)), port=port)
         yield {"url": url, "home": home, "startup_s": took_s}
