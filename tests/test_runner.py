@@ -206,3 +206,28 @@ def test_sampler_seed_reproducible_and_drop():
     assert seq_a == seq_b and len(set(seq_a)) > 10
     a.drop(["r"])
     assert [a.sample(logits, ["r"], [p], [n])[0] for n in range(20)] == seq_a
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_fast_path_equals_module(rows, bias):
+    from app.engine.runner import linear
+
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(96, 320, bias=bias)
+    x = torch.randn(rows, 96)
+    out = linear(module, x)
+    assert out.shape == (rows, 320) and out.is_contiguous()
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_leaves_other_modules_to_their_forward():
+    from app.engine.runner import linear
+
+    class Scaled(torch.nn.Linear):  # a subclass (e.g. a TP layer) keeps its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    module = Scaled(8, 4)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(linear(module, x), 2 * torch.nn.functional.linear(x, module.weight, module.bias))

@@ -22,6 +22,19 @@ from app.engine.request import ModelRunnerOutput, Runner, ScheduledChunk, Schedu
 from app.engine.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Up to this many rows, a float32 CPU linear runs as (W @ x^T)^T: MKL's sgemm handles the skinny
+# operand far better that way round than as x @ W^T. Whole decode steps of SmolLM2-135M, measured
+# here: 1.8x faster at batch 2-4, 1.15x at 8-32, even at 128; prefill chunks of 256+ rows lose.
+SKINNY_ROWS = 128
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a 2-D ``x``; a plain float32 ``nn.Linear`` on CPU with few rows goes the fast way round."""
+    if type(module) is torch.nn.Linear and x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu" \
+            and x.dtype == torch.float32:
+        y = torch.mm(module.weight, x.t()).t()
+        return (y + module.bias if module.bias is not None else y).contiguous()
+    return module(x)
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -208,9 +221,9 @@ class HFRunner(Runner):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            q = linear(attn.q_proj, x).view(T, self.num_heads, self.head_dim)
+            k = linear(attn.k_proj, x).view(T, self.num_kv_heads, self.head_dim)
+            v = linear(attn.v_proj, x).view(T, self.num_kv_heads, self.head_dim)
             if self.qk_norm:  # Qwen3-style per-head norms before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = _rope(q, step.cos, step.sin)
@@ -227,10 +240,22 @@ class HFRunner(Runner):
                     return h.new_empty(0, self.vocab_size)
                 o = o.index_select(0, step.sample_rows)
                 h = h.index_select(0, step.sample_rows)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + linear(attn.o_proj, o)
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+        h = self.norm(h)
+        if type(self.lm_head) is torch.nn.Linear:
+            return linear(self.lm_head, h)
         # NOTE: [1, S, hidden]: DeepSpeed's sharded LM head slices its input as a 3-D tensor.
-        return self.lm_head(self.norm(h)[None])[0]
+        return self.lm_head(h[None])[0]
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Llama's gated MLP through ``linear``; any other MLP (or a TP-sharded one) runs its own forward."""
+        parts = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)
+        if not all(type(p) is torch.nn.Linear for p in parts) or not hasattr(mlp, "act_fn"):
+            return mlp(x)
+        gate, up, down = parts
+        return linear(down, mlp.act_fn(linear(gate, x)) * linear(up, x))
 
     def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""
