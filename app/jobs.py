@@ -32,6 +32,17 @@ def _address() -> str | None:
     return os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
 
 
+def ray_command(*args: str) -> list[str]:
+    """``ray ARGS`` with the CLI of this interpreter's environment (a venv need not be on PATH)."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    return [str(ray_bin) if ray_bin.exists() else "ray", *args]
+
+
+def stop_local_cluster() -> None:
+    """``ray stop``: ends the local head node that ``client(start=True)`` started."""
+    subprocess.run(ray_command("stop"), capture_output=True)
+
+
 def client(start: bool = True):
     """A Jobs API client for the configured or local cluster; starts a local head node if ``start``
     and none runs."""
@@ -44,11 +55,9 @@ def client(start: bool = True):
     except (ConnectionError, ValueError, RuntimeError) as exc:
         if _address() or not start:
             raise JobError(f"no Ray cluster with a dashboard at {_address() or 'this machine'} ({exc})") from None
-    cmd = ["ray", "start", "--head", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
-    print("starting a local Ray cluster: " + " ".join(cmd), file=sys.stderr)
-    ray_bin = Path(sys.executable).with_name("ray")
-    proc = subprocess.run([str(ray_bin) if ray_bin.exists() else "ray", *cmd[1:]], capture_output=True, text=True,
-                          start_new_session=True)
+    args = ["start", "--head", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
+    print("starting a local Ray cluster: ray " + " ".join(args), file=sys.stderr)
+    proc = subprocess.run(ray_command(*args), capture_output=True, text=True, start_new_session=True)
     if proc.returncode != 0:
         raise JobError(f"`ray start --head` failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     deadline = time.monotonic() + 60

@@ -124,9 +124,7 @@ def run_batch_bench(rows: int = 64, max_tokens: int = 256, kv_tokens: int = 8192
             tqdm.write(f"killed run: {killed}")
     finally:
         if started_here:
-            import subprocess
-
-            subprocess.run(["ray", "stop"], capture_output=True)
+            jobs.stop_local_cluster()
     a, b = statistics.median(engine_rows), statistics.median(job_rows)
     return {
         "config": {"rows": rows, "max_tokens": max_tokens, "kv_tokens": kv_tokens, "predictor": predictor,
