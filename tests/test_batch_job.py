@@ -143,8 +143,6 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
         ray.shutdown()
 
 
-
-
 def test_ray_job_stopped_and_resubmitted_with_same_id_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
     from ray.job_submission import JobSubmissionClient

@@ -37,6 +37,12 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _is_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
+    """Llama's ``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections."""
+    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return hasattr(mlp, "act_fn") and all(type(p) is torch.nn.Linear for p in parts)
+
+
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
 
@@ -116,6 +122,10 @@ class HFRunner(Runner):
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = self.model.lm_head
+        # NOTE: decided once: plain Llama-style layers go through ``linear``; TP-sharded ones
+        # (DeepSpeed's modules, which all-reduce inside) run their own forward.
+        self.plain_mlp = all(_is_plain_gated_mlp(layer.mlp) for layer in self.layers)
+        self.plain_lm_head = type(self.lm_head) is torch.nn.Linear
         attn = self.layers[0].self_attn
         hf = self.model.config
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -241,21 +251,17 @@ class HFRunner(Runner):
                 o = o.index_select(0, step.sample_rows)
                 h = h.index_select(0, step.sample_rows)
             h = h + linear(attn.o_proj, o)
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.plain_mlp:
+                mlp = layer.mlp
+                h = h + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+            else:
+                h = h + layer.mlp(x)
         h = self.norm(h)
-        if type(self.lm_head) is torch.nn.Linear:
+        if self.plain_lm_head:
             return linear(self.lm_head, h)
         # NOTE: [1, S, hidden]: DeepSpeed's sharded LM head slices its input as a 3-D tensor.
         return self.lm_head(h[None])[0]
-
-    @staticmethod
-    def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Llama's gated MLP through ``linear``; any other MLP (or a TP-sharded one) runs its own forward."""
-        parts = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)
-        if not all(type(p) is torch.nn.Linear for p in parts) or not hasattr(mlp, "act_fn"):
-            return mlp(x)
-        gate, up, down = parts
-        return linear(down, mlp.act_fn(linear(gate, x)) * linear(up, x))
 
     def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""
