@@ -134,6 +134,7 @@ class ServeStage:
 
         self.config = EngineConfig.model_validate(engine)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.app_name = app_name
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
@@ -153,8 +154,11 @@ class ServeStage:
                                   predictor_text=text, predictor_version=version)
         from ray.exceptions import ActorUnavailableError, RayActorError
 
+        from deployments.pool_gate import wait_until_up
+
         for attempt in range(1, SERVE_ATTEMPTS + 1):
             texts, last = [], None
+            wait_until_up(self.app_name, "offline")  # NOTE: do not wake a pool the autoscaler yielded to online
             try:
                 for item in self.pool.generate.remote(request.model_dump()):
                     if "error" in item:

@@ -91,7 +91,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 def cmd_bench_burst(args: argparse.Namespace) -> int:
     from loadtests.autoscale_burst import run
 
-    report = run(args.requests, args.flex, args.max_tokens, args.config, args.ttft_slo_ms, args.calm_s)
+    report = run(args.requests, args.flex, args.max_tokens, args.config, args.ttft_slo_ms, args.calm_s,
+                 late_flex_requests=args.late_flex)
     print(json.dumps(report, indent=2))
     return _write_json(args.json, report)
 
@@ -199,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         "burst", help="elasticity on the real app: an online burst makes the offline pool yield, then come back",
         description="Starts the app (serve_config.yaml, or --config) on a free port, waits for the offline replica, "
         "sends a burst of online requests (and a few flex ones) and times how fast the offline pool gives up its "
-        "replica and how fast it is back after the burst; lists the autoscaler's decisions with their reasons.")
+        "replica and how fast it is back after the burst, and checks that flex requests arriving meanwhile do not wake it; "
+        "lists the autoscaler's decisions with their reasons.")
     bu.add_argument("--requests", type=int, default=16, help="online requests sent at once (default 16)")
     bu.add_argument("--flex", type=int, default=2, help="flex (offline) requests sent with them (default 2)")
+    bu.add_argument("--late-flex", type=int, default=2,
+                    help="flex requests sent once the offline pool has yielded: they wait at the ingress (default 2)")
     bu.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the online requests (default 64)")
     bu.add_argument("--ttft-slo-ms", type=float, default=1000, help="online TTFT SLO for the run (default 1000)")
     bu.add_argument("--calm-s", type=float, default=5, help="the policy's calm_s for the run (default 5)")

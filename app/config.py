@@ -125,6 +125,7 @@ class IngressConfig(BaseModel):
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
     max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
+    flex_max_wait_s: float = Field(600.0, ge=0, description="A flex request waits at the ingress at most this long while the autoscaler has the offline pool at zero (it yielded to online); then it goes anyway and Serve starts the pool.")
 
 
 class AppConfig(BaseModel):

@@ -152,8 +152,8 @@ def simulate_day(model: dict, peak_rps: float, offline_tokens_per_day: float, tt
         contexts = {
             on_id: _context(on_id, "online", online, on_target, 1, budget, now, state.get(on_id, {}), on_cfg, on_metrics,
                             queue / max(online, 1)),
-            # NOTE: the offline backlog waits in the batch job's driver, not at Serve's handles (where
-            # Serve's cold-start rule would restart a yielded pool at once)
+            # NOTE: the offline backlog waits outside Serve's handles (in a batch job's driver, or held at
+            # the ingress: deployments/pool_gate.py), where Serve's cold-start rule would restart a yielded pool
             off_id: _context(off_id, "offline", offline, off_target, 0, budget, now, state.get(off_id, {}), off_cfg,
                              off_metrics, 0.0),
         }

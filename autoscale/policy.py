@@ -19,6 +19,9 @@ Built on Ray Serve's custom autoscaling API. ``ElasticPolicy`` is the applicatio
   replica per tick down to its min_replicas (which may be 0); it grows back only after online has
   been calm for ``calm_s``, and never beyond the budget online leaves. Serve drains removed replicas
   (``graceful_shutdown_timeout_s``); what does not finish in time is retried by the caller.
+- A pool at zero is not woken by Serve's cold-start rule behind the policy's back: the ingress holds
+  flex calls while offline is at zero (deployments/pool_gate.py) and reports them; they count as
+  offline backlog, so offline comes back on the policy's terms (online calm), and they go then.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoscale.decisions import Decision, DecisionLog, default_log_path
-from autoscale.signals import PoolSignals, pool_signals
+from autoscale.signals import HeldCalls, PoolSignals, held_calls, pool_signals
 
 LAST_PRESSURE_KEY = "foreserve_last_pressure_s"
 
@@ -50,6 +53,7 @@ class ScalingConfig(BaseModel):
     replica_budget: int | None = Field(None, ge=1, description="Engine replicas the cluster holds, online + offline (e.g. GPUs / tensor_parallel_size); empty: the pools' max_replicas summed, i.e. no sharing.")
     online_deployment: str = Field("online", description="Name of the online pool's deployment.")
     offline_deployment: str = Field("offline", description="Name of the offline pool's deployment.")
+    ingress_deployment: str = Field("ingress", description="Name of the ingress deployment, whose held flex calls (offline pool at zero) count as offline backlog; it must be autoscaled (fixed bounds) to report them.")
     decision_log: str | None = Field(None, description="JSONL file of decisions; empty: $FORESERVE_HOME/autoscale/decisions.jsonl.")
 
     def model_post_init(self, _context) -> None:
@@ -90,17 +94,22 @@ def online_decision(sig: PoolSignals, cfg: ScalingConfig) -> tuple[Decision, boo
     return Decision("online", sig.replicas, sig.replicas, "hold", "between calm and scale-up levels", signals), False
 
 
-def offline_decision(sig: PoolSignals, cfg: ScalingConfig, idle_replicas: int = 0) -> Decision:
-    """The offline pool's own wish: one replica per ``offline_backlog_tokens_per_replica`` of backlog."""
+def offline_decision(sig: PoolSignals, cfg: ScalingConfig, idle_replicas: int = 0, held: HeldCalls | None = None) -> Decision:
+    """The offline pool's own wish: one replica per ``offline_backlog_tokens_per_replica`` of backlog
+    (``held``: calls the ingress holds while the pool is at zero count too)."""
     per_replica = cfg.offline_backlog_tokens_per_replica
-    desired = math.ceil(sig.backlog_tokens / per_replica)
+    held = held or HeldCalls()
+    backlog = sig.backlog_tokens + held.tokens
+    desired = math.ceil(backlog / per_replica)
     if desired < sig.target_replicas:  # hysteresis: shrink only once the backlog would half-fill fewer replicas
-        desired = min(sig.target_replicas, max(desired, math.ceil(2 * sig.backlog_tokens / per_replica)))
+        desired = min(sig.target_replicas, max(desired, math.ceil(2 * backlog / per_replica)))
     if sig.queued_requests > 0:
         desired = max(desired, sig.replicas + 1 if sig.replicas else 1)
+    if held.requests > 0:
+        desired = max(desired, 1)
     reason = "backlog" if desired >= idle_replicas else "idle"
     desired = max(desired, idle_replicas)
-    detail = f"{sig.backlog_tokens:.0f} backlog tokens, {sig.queued_requests:.0f} queued"
+    detail = f"{backlog:.0f} backlog tokens, {sig.queued_requests:.0f} queued, {held.requests:.0f} held at the ingress"
     return Decision("offline", sig.replicas, desired, reason, detail, sig.summary())
 
 
@@ -130,6 +139,7 @@ class ElasticPolicy:
         state = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
         decisions: dict = {}
         online, offline = by_name.get(cfg.online_deployment), by_name.get(cfg.offline_deployment)
+        ingress = by_name.get(cfg.ingress_deployment)
         now = next((c.current_time for c in contexts.values() if c.current_time), None) or time.time()
 
         on_sig = pool_signals(online[1]) if online else None
@@ -162,7 +172,7 @@ class ElasticPolicy:
             last_pressure = state[online[0]].get(LAST_PRESSURE_KEY) if online else None
             calm_for_s = math.inf if last_pressure is None else now - last_pressure
             room = budget - online_target
-            own = offline_decision(off_sig, cfg, cfg.offline_idle_replicas)
+            own = offline_decision(off_sig, cfg, cfg.offline_idle_replicas, held_calls(ingress[1]) if ingress else None)
             if pressured:
                 desired = max(off_floor, min(off_sig.target_replicas - 1, own.desired))
                 decision = Decision("offline", off_sig.replicas, desired, "yield", "online is under pressure", own.signals)

@@ -43,6 +43,21 @@ class PoolSignals:
         return {k: round(float(getattr(self, k)), 3) for k in keys}
 
 
+@dataclass(frozen=True, slots=True)
+class HeldCalls:
+    """Offline calls the ingress holds while the offline pool is at zero (deployments/pool_gate.py)."""
+
+    requests: float = 0.0
+    tokens: float = 0.0  # their prompt + predicted output
+
+
+def held_calls(ctx) -> HeldCalls:
+    """``HeldCalls`` from the ingress deployment's ``AutoscalingContext`` (summed over its replicas)."""
+    metrics = ctx.aggregated_metrics or {}
+    return HeldCalls(requests=sum(_per_replica(metrics, "held_requests").values()),
+                     tokens=sum(_per_replica(metrics, "held_tokens").values()))
+
+
 def _per_replica(metrics: dict[str, dict[Any, float]], name: str) -> dict[Any, float]:
     return metrics.get(name) or {}
 

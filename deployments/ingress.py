@@ -37,6 +37,8 @@ from app.config import AppConfig
 from app.engine.request import SamplingParams
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
+from deployments.pool_gate import PoolGate, replica_states
+from deployments.router import reservation_tokens
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,6 +91,7 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
         self.batches = BatchStore(app_name=serve.get_replica_context().app_name)
+        self.offline_gate = PoolGate(self._replica_states, "offline")
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
@@ -119,17 +122,11 @@ class Ingress:
             "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,
             "pools": {name: {k: p[k] for k in keys if k in p} for name, p in pools.items()},
             "replicas": {name: s.get("RUNNING", 0) for name, s in states.items()} if "error" not in states else states,
+            "held_flex_requests": self.offline_gate.held_requests,
         })
 
     def _replica_states(self) -> dict[str, dict[str, int]]:
-        """Each pool's deployment status and replicas by state (RUNNING, STARTING, ...), from Serve's controller."""
-        app = serve.status().applications.get(self.batches.app_name)
-        states = {}
-        for name in self.pools:
-            d = app.deployments.get(name) if app else None
-            states[name] = {"status": getattr(d.status, "value", str(d.status)),
-                            **{getattr(k, "value", str(k)): int(v) for k, v in d.replica_states.items()}} if d else {}
-        return states
+        return replica_states(self.batches.app_name, self.pools)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -305,9 +302,13 @@ class Ingress:
 
     async def _start(self, request: GenerateRequest, pool: str) -> tuple:
         """Send ``request`` to ``pool``; (stream, first item). A replica lost before the first item
-        (a scale-down drained it, or it died) is retried on the pool, up to ``REQUEUE_ATTEMPTS``."""
+        (a scale-down drained it, or it died) is retried on the pool, up to ``REQUEUE_ATTEMPTS``.
+        Offline calls wait while the autoscaler has that pool at zero (deployments/pool_gate.py)."""
+        payload = request.model_dump()
         for attempt in range(1, REQUEUE_ATTEMPTS + 1):
-            stream = self.pools[pool].options(stream=True).generate.remote(request.model_dump())
+            if pool == "offline":
+                await self.offline_gate.wait(reservation_tokens([payload]), self.config.ingress.flex_max_wait_s)
+            stream = self.pools[pool].options(stream=True).generate.remote(payload)
             try:
                 return stream, await self._first_item(stream, pool)
             except REPLICA_LOST as exc:
@@ -380,6 +381,10 @@ class Ingress:
             # NOTE: closing the generator cancels the engine stream in use when the client went away
             await items.aclose()
         yield "data: [DONE]\n\n"
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Flex calls held while the offline pool is at zero: backlog for ``ElasticPolicy``."""
+        return self.offline_gate.stats()
 
     def _observe(self, result: ChatResult) -> None:
         self.metrics.finished(result.tier, result.ttft_s, time.perf_counter() - result.t0, result.completion_tokens)

@@ -177,3 +177,47 @@ def test_offline_shrinks_only_when_backlog_would_half_fill_fewer_replicas(tmp_pa
     # 3 replicas, 40k tokens: 2 would do, but 2 replicas would be more than half full: hold 3
     assert policy(context(OFFLINE, 3, max_replicas=4, waiting=40000 // 3))[0] == 3
     assert policy(context(OFFLINE, 3, max_replicas=4, waiting=30000 // 3))[0] == 2  # 30k half-fills 2 (65k)
+
+
+INGRESS = DeploymentID(name="ingress", app_name="foreserve")
+
+
+def ingress_context(held_requests: float, held_tokens: float, now: float = 0.0, state=None) -> AutoscalingContext:
+    """The ingress (fixed at one replica) reporting the flex calls it holds while offline is at zero."""
+    ctx = context(INGRESS, 1, min_replicas=1, max_replicas=1, now=now, state=state,
+                  config=AutoscalingConfig(min_replicas=1, max_replicas=1))
+    ctx.aggregated_metrics = {"held_requests": {"r0": held_requests}, "held_tokens": {"r0": held_tokens}}
+    return ctx
+
+
+def test_flex_calls_held_at_the_ingress_wake_offline_only_once_online_is_calm(tmp_path):
+    """Through Serve's wrapper: calls held at the ingress are not at the offline handle, so Serve's
+    cold-start rule does not fire; they are offline backlog, granted only after online's calm_s."""
+    policy = _apply_app_level_autoscaling_config(ElasticPolicy(
+        replica_budget=2, calm_s=10, offline_idle_replicas=0, decision_log=str(tmp_path / "d.jsonl")))
+    online_cfg = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
+    offline_cfg = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
+                                    downscale_to_zero_delay_s=2)
+    state: dict = {}
+    offline_targets = []
+    for t in range(0, 30):
+        ttft = 5000 if t < 10 else 100  # online pressured for 10 s, then calm
+        contexts = {
+            ONLINE: context(ONLINE, 1, min_replicas=1, max_replicas=1, ttft_ms=ttft, now=float(t),
+                            state=state.get(ONLINE), config=online_cfg),
+            OFFLINE: context(OFFLINE, 0, min_replicas=0, max_replicas=1, now=float(t), state=state.get(OFFLINE),
+                             config=offline_cfg),
+            INGRESS: ingress_context(3, 900, float(t), state.get(INGRESS)),
+        }
+        decisions, state = policy(contexts)
+        assert decisions[INGRESS] == 1
+        offline_targets.append(decisions[OFFLINE])
+    # pressure until t=9 (last pressured tick), calm from t=10: offline comes back at t=19, not before
+    assert offline_targets[:19] == [0] * 19 and offline_targets[19:] == [1] * 11
+    back = [d for d in read_decisions(tmp_path / "d.jsonl") if d["pool"] == "offline" and d["desired"] == 1]
+    assert back[0]["reason"] == "backlog" and "3 held at the ingress" in back[0]["detail"]
+    # with nothing held and offline_idle_replicas 0 it stays at zero
+    decisions, _ = policy({ONLINE: context(ONLINE, 1, min_replicas=1, max_replicas=1, now=100.0, config=online_cfg),
+                           OFFLINE: context(OFFLINE, 0, min_replicas=0, max_replicas=1, now=100.0, config=offline_cfg),
+                           INGRESS: ingress_context(0, 0, 100.0)})
+    assert decisions[OFFLINE] == 0

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from app.config import AppConfig, load_app_config
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import PredictionWindow
+from deployments.pool_gate import PoolGate
 from predictor.buckets import LengthBuckets
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -152,6 +153,7 @@ def test_a_drained_replica_is_requeued_not_lost():
     lost = [_Stream([], ActorDiedError()), _Stream([], ActorUnavailableError("draining", None))]
     ok = _Stream([_item("hi", 1, True, "stop")])
     ingress.pools = {"offline": _Pool([*lost, ok])}
+    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY", "RUNNING": 1}}, "offline")
     stream, first = asyncio.run(ingress._start(GenerateRequest(), "offline"))
     assert stream is ok and first["text"] == "hi" and ingress.pools["offline"].calls == 3
     assert all(s.cancelled for s in lost)
@@ -159,6 +161,33 @@ def test_a_drained_replica_is_requeued_not_lost():
     with pytest.raises(errors.APIError) as err:
         asyncio.run(ingress._start(GenerateRequest(), "offline"))
     assert err.value.status_code == 503
+
+
+def test_flex_waits_while_the_offline_pool_is_at_zero():
+    """Nothing reaches the offline handle (where Serve's cold-start rule would wake the pool) until
+    the autoscaler has the pool up again; meanwhile the call is counted as held."""
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    states = {"offline": {"status": "DOWNSCALING", "STOPPING": 1}}
+    ingress.offline_gate = PoolGate(lambda: states, "offline", poll_s=0.01)
+    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
+
+    async def scenario():
+        call = asyncio.ensure_future(ingress._start(request, "offline"))
+        await asyncio.sleep(0.1)
+        assert ingress.pools["offline"].calls == 0 and not call.done()
+        assert ingress.record_autoscaling_stats() == {"held_requests": 1.0, "held_tokens": 43.0}
+        states["offline"] = {"status": "UPSCALING", "STARTING": 1}
+        _, first = await asyncio.wait_for(call, 1.0)
+        assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
+        assert ingress.record_autoscaling_stats()["held_requests"] == 0.0
+
+    asyncio.run(scenario())
 
 
 def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:

@@ -1,0 +1,61 @@
+"""The offline pool's gate at the ingress: calls wait while the autoscaler has the pool at zero."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.pool_gate import PoolGate, pool_is_up
+
+
+@pytest.mark.parametrize("state, up", [
+    ({"status": "HEALTHY", "RUNNING": 1}, True),
+    ({"status": "UPSCALING", "STARTING": 1}, True),
+    ({"status": "UPSCALING"}, True),  # the autoscaler decided to grow: a queued call wakes nothing it did not want
+    ({"status": "UPDATING"}, True),  # being deployed
+    ({"status": "DOWNSCALING", "STOPPING": 1}, False),  # yielding: its last replica drains
+    ({"status": "HEALTHY"}, False),  # at zero
+    ({}, True),  # unknown pool: let Serve decide
+    (None, True),
+])
+def test_pool_is_up(state, up):
+    assert pool_is_up(state) is up
+
+
+def test_calls_wait_while_the_pool_is_at_zero_and_are_counted():
+    states = {"offline": {"status": "HEALTHY"}}
+    calls = []
+
+    def read():
+        calls.append(1)
+        return states
+
+    async def scenario():
+        gate = PoolGate(read, "offline", poll_s=0.02)
+        waiters = [asyncio.ensure_future(gate.wait(tokens)) for tokens in (100, 250)]
+        await asyncio.sleep(0.1)
+        assert not any(w.done() for w in waiters)
+        assert gate.stats() == {"held_requests": 2.0, "held_tokens": 350.0}
+        states["offline"] = {"status": "UPSCALING", "STARTING": 1}
+        held = await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
+        assert all(h >= 0.1 for h in held)
+        assert gate.stats() == {"held_requests": 0.0, "held_tokens": 0.0}
+        assert await gate.wait(10) == 0.0  # open: no wait, nothing held
+
+    asyncio.run(scenario())
+    assert len(calls) < 20  # one controller call per poll, however many calls wait
+
+
+def test_a_call_goes_anyway_after_max_wait_and_when_the_controller_fails():
+    async def scenario():
+        gate = PoolGate(lambda: {"offline": {"status": "HEALTHY"}}, "offline", poll_s=0.01)
+        assert 0.05 <= await gate.wait(5, max_wait_s=0.05) < 0.5
+        assert gate.held_requests == 0
+
+        def broken():
+            raise ConnectionError("controller gone")
+
+        assert await PoolGate(broken, "offline", poll_s=0.01).wait(5) == 0.0
+
+    asyncio.run(scenario())
