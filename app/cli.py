@@ -58,6 +58,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         tp=args.tp,
         repeats=args.repeats,
         scheduler=args.scheduler,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print_table(report)
     return _write_json(args.json, report)
@@ -157,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bound-quantile", type=float,
                    help="learned predictor: reserve up to this quantile of the predicted length distribution")
     b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")
+    b.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="KV cache dtype of the real model (auto: the weights' float32)")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
     b.add_argument("--scheduler", choices=("fcfs", "offline", "online"),

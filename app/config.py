@@ -23,7 +23,8 @@ class EngineConfig(BaseModel):
 
     model: str = Field("", description="HF model folder; empty means the embedded SmolLM2-135M-Instruct.")
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Model id shown to clients.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype (and the KV cache's, with kv_cache_dtype auto).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: the weights' dtype. bfloat16 under float32 weights halves the KV bytes per token (attention reads half as much, so large batches step faster on a CPU) for a little precision, like vLLM's kv_cache_dtype.")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N: where the runner keeps weights and the KV pool.")
     max_model_len_tokens: int = Field(2048, ge=16, description="Longest prompt + output a sequence may reach.")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none; also the bucket range.")
@@ -68,6 +69,11 @@ class EngineConfig(BaseModel):
         except ImportError:
             return False
         return ray.is_initialized()
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype, ``auto`` resolved."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def model_path(self) -> Path:

@@ -145,7 +145,7 @@ def build_runner(config: EngineConfig, sim: str | None, tp: int) -> tuple[Runner
 
     from app.engine.runner import HFRunner
 
-    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(AutoConfig.from_pretrained(config.model_path), config.dtype))
+    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(AutoConfig.from_pretrained(config.model_path), config.cache_dtype))
     if tp > 1:
         from app.engine.tp import TPRunner
 
@@ -190,9 +190,11 @@ def run_benchmark(
     scheduler: str | None = None,
     block_size_tokens: int = 16,
     max_num_batched_tokens: int = 512,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     base = EngineConfig(
         kv_cache_tokens=kv_tokens,
+        kv_cache_dtype=kv_cache_dtype,
         block_size_tokens=block_size_tokens,
         default_max_tokens=max_tokens,
         max_model_len_tokens=max_tokens + 1024,
@@ -237,6 +239,7 @@ def run_benchmark(
             "bound_quantile": getattr(pred, "bound_quantile", None),
             "sim": sim,
             "tp": tp,
+            "kv_cache_dtype": base.cache_dtype,
             "repeats": repeats,
             "block_size_tokens": block_size_tokens,
             "max_num_batched_tokens": base.max_num_batched_tokens,

@@ -154,6 +154,46 @@ def test_greedy_mixed_batch_matches_generate(runner, prompts, reference):
 
 
 @pytest.mark.model
+def test_greedy_in_several_decode_groups_matches_generate(runner, prompts, reference):
+    """18 sequences, staggered so their contexts differ: decode rows sorted by context and cut into
+    groups (each its own padded gather and SDPA); every sequence still matches generate."""
+    seqs = [Seq(f"{i}-{k}", prompts[i], GREEDY, start_step=k) for k in range(6) for i in range(3)]
+    out = play_engine(runner, seqs)
+    assert all(out[f"{i}-{k}"] == reference[i] for k in range(6) for i in range(3))
+
+
+def test_decode_groups_cover_sorted_rows_in_equal_slices():
+    from app.engine.runner import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
+
+    assert decode_groups([]) == []
+    assert decode_groups(list(range(5))) == [(0, 5)]  # too few rows to split
+    assert decode_groups(list(range(2 * DECODE_GROUP_ROWS))) == [(0, DECODE_GROUP_ROWS), (DECODE_GROUP_ROWS, 2 * DECODE_GROUP_ROWS)]
+    groups = decode_groups(list(range(101)))
+    assert len(groups) == MAX_DECODE_GROUPS and groups[0][0] == 0 and groups[-1][1] == 101
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert max(b - a for a, b in groups) - min(b - a for a, b in groups) <= 1
+
+
+@pytest.mark.model
+def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, reference):
+    """kv_cache_dtype bfloat16 under float32 weights: half the KV bytes per token; greedy answers
+    (mixed prefill and decode) stay those of generate on these prompts."""
+    from transformers import AutoConfig
+
+    from app.engine.runner import HFRunner
+
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, kv_cache_dtype="bfloat16")
+    hf = AutoConfig.from_pretrained(config.model_path)
+    assert HFRunner.kv_bytes_per_token(hf, config.cache_dtype) * 2 == HFRunner.kv_bytes_per_token(hf, "float32")
+    r = HFRunner(config, config.kv_pool_blocks(1))
+    assert r.k_cache.dtype == torch.bfloat16 and next(r.model.parameters()).dtype == torch.float32
+    seqs = [Seq("b", prompts[1], GREEDY), Seq("c", prompts[2], GREEDY, chunk_tokens=13),
+            Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3)]
+    out = play_engine(r, seqs)
+    assert [out["a"], out["b"], out["c"]] == reference
+
+
+@pytest.mark.model
 def test_seeded_sampling_reproducible_and_top_k1_is_greedy(runner, prompts, reference):
     hot = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=NEW_TOKENS)
     first = play_engine(runner, [Seq("s", prompts[1], hot)])["s"]

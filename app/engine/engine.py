@@ -82,7 +82,7 @@ class LLMEngine:
         from app.engine.runner import HFRunner
 
         hf_config = AutoConfig.from_pretrained(config.model_path)
-        num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.dtype))
+        num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.cache_dtype))
         if config.tensor_parallel_size > 1 and config.use_ray_tp_workers():
             from app.engine.tp_ray import RayTPRunner
 
