@@ -158,7 +158,8 @@ class ServeStage:
 
         for attempt in range(1, SERVE_ATTEMPTS + 1):
             texts, last = [], None
-            wait_until_up(self.app_name, "offline")  # NOTE: do not wake a pool the autoscaler yielded to online
+            if attempt > 1:  # NOTE: the replica went away: the pool may have yielded to online
+                wait_until_up(self.app_name, "offline")
             try:
                 for item in self.pool.generate.remote(request.model_dump()):
                     if "error" in item:
@@ -178,7 +179,11 @@ class ServeStage:
     def __call__(self, batch: dict) -> dict:
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
+        from deployments.pool_gate import wait_until_up
+
         rows = list(_rows(batch, self.store.done_lines()))
+        if rows:  # NOTE: one controller query per batch, not per row: do not wake a pool yielded to online
+            wait_until_up(self.app_name, "offline")
         with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
             for future in as_completed([pool.submit(self._one, *args) for args in rows]):
                 self.results.append(future.result())

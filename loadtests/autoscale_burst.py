@@ -35,12 +35,10 @@ def burst_config(source: Path, out: Path, ttft_slo_ms: float = 1000, calm_s: flo
 
 
 def pool_replicas(app_name: str, pool: str, states: tuple[str, ...] = ("RUNNING",)) -> int:
-    from ray import serve
+    """Replicas of ``pool`` in any of ``states`` (0 when the app or pool is not deployed)."""
+    from deployments.pool_gate import replica_states
 
-    app = serve.status().applications.get(app_name)
-    if app is None or pool not in app.deployments:
-        return 0
-    counts = {getattr(k, "value", str(k)): int(v) for k, v in app.deployments[pool].replica_states.items()}
+    counts = replica_states(app_name, [pool])[pool]
     return sum(counts.get(state, 0) for state in states)
 
 
