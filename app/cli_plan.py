@@ -1,6 +1,7 @@
 """``foreserve plan``: capacity planning on the engine's simulator; ``plan simulate-day``: the
 elastic policy against static pools over a simulated day; ``plan calibrate-cpu``: the cost model
-against measured step times of the real model on this machine."""
+against measured step times of the real model on this machine; ``plan scheduler-ab``: the online
+scheduler against FCFS under open-loop load, in modelled time."""
 
 from __future__ import annotations
 
@@ -121,13 +122,64 @@ def cmd_simulate_day(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_cpu(args: argparse.Namespace) -> int:
-    from autoscale.calibrate import calibrate
+    from autoscale.calibrate import calibrate, calibrate_trace
 
+    if args.from_trace:
+        report = calibrate_trace(args.from_trace)
+        for row in report["decode_steps"]:
+            print(f"decode rows {row['decode_rows']:>6} ({row['steps']:>4} steps): measured {row['measured_ms']:>7.1f} ms, "
+                  f"model {row['predicted_ms']:>7.1f} ms ({row['error']:+.0%})")
+        print(f"fitted to {report['steps']} traced steps: {json.dumps(report['fitted'])}; "
+              f"median error {report['median_abs_error']:.0%}")
+        _write(args.json, report)
+        return 0
     report = calibrate(args.batch_sizes, args.context_tokens, args.repeats)
     for row in report["points"]:
         print(f"batch {row['batch_size']:>3}: measured {row['measured_ms']:>7.1f} ms, model {row['predicted_ms']:>7.1f} ms "
               f"({row['error']:+.0%})")
     print(f"fitted: {json.dumps(report['fitted'])}; worst error {report['max_abs_error']:.0%}")
+    _write(args.json, report)
+    return 0
+
+
+def cmd_scheduler_ab(args: argparse.Namespace) -> int:
+    from app.config import EngineConfig
+    from app.engine.profiles import parse_sim_spec
+    from app.engine.sim import SimRunner
+    from autoscale.capacity import Workload
+    from autoscale.scheduler_ab import scheduler_ab
+
+    if args.calibration:
+        from autoscale.calibrate import cpu_model, cpu_profile
+
+        fitted = json.loads(Path(args.calibration).read_text())["fitted"]
+        runner = SimRunner(cpu_profile(fitted["memory_bandwidth_bytes_per_s"], fitted["flops"]), cpu_model())
+        kv_tokens, batch_tokens = args.kv_tokens or 8192, args.batch_tokens or 256  # the online pool's
+    else:
+        hardware, model = parse_sim_spec(f"{args.hardware}:{args.model}")
+        runner = SimRunner(hardware, model, args.tp)
+        kv_tokens, batch_tokens = args.kv_tokens or runner.kv_budget_tokens(), args.batch_tokens or 2048
+    config = EngineConfig(
+        allocation="reserve_predicted", kv_cache_tokens=kv_tokens, max_num_batched_tokens=batch_tokens,
+        max_num_seqs=256, default_max_tokens=args.max_tokens, max_model_len_tokens=args.max_tokens + 2048,
+        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+    )
+    report = scheduler_ab(runner, config, Workload.sharegpt(2000, args.max_tokens), args.rates, args.duration,
+                          args.seeds, tuple(args.schedulers), args.bucket_noise)
+    a, b = report["schedulers"]
+    r = report["runner"]
+    print(f"{r['model']} tp={r['tp_size']} on {r['hardware']}, KV {kv_tokens} tokens, step budget {batch_tokens}, SLOs TTFT {args.ttft_slo_ms:g} ms / "
+          f"TPOT {args.tpot_slo_ms:g} ms; medians of {args.seeds} seeds, {args.duration:g} s of arrivals")
+    print(f"{'rate':>6} {'scheduler':>9} {'mean E2E s':>10} {'TTFT p90 s':>10} {'TPOT p50 ms':>11} {'SLO met':>8} "
+          f"{'goodput':>8} {'tok/s':>8} {'batch':>6}")
+    for row in report["summary"]:
+        for name in (a, b):
+            m = row[name]
+            print(f"{row['rate_rps']:>6g} {name:>9} {m['mean_e2e_s']:>10.1f} {m['p90_ttft_s']:>10.1f} {m['p50_tpot_ms']:>11.0f} "
+                  f"{m['slo_attainment']:>8.1%} {m['goodput_rps']:>8.3f} {m['output_tokens_per_s']:>8.1f} "
+                  f"{m['mean_running_batch']:>6.1f}")
+        goodput = "n/a (no run of B met an SLO)" if row["goodput_ratio"] is None else f"{row['goodput_ratio']:.2f}x"
+        print(f"{'':>6} {a} vs {b}: mean E2E {row['e2e_ratio']:.2f}x lower, goodput {goodput}")
     _write(args.json, report)
     return 0
 
@@ -174,5 +226,32 @@ def add_parser(sub) -> None:
     c.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
     c.add_argument("--context-tokens", type=int, default=256, help="cached tokens per sequence (default 256)")
     c.add_argument("--repeats", type=int, default=3, help="timed steps per batch size (median; default 3)")
+    c.add_argument("--from-trace", nargs="+", metavar="JSONL",
+                   help="fit to the steps a serving engine ran instead (files written under FORESERVE_STEP_TRACE)")
     c.add_argument("--json", metavar="FILE")
     c.set_defaults(func=cmd_calibrate_cpu)
+
+    ab = plan_sub.add_parser(
+        "scheduler-ab", help="the online scheduler vs FCFS under open-loop load, on the simulator",
+        description="Poisson arrivals of ShareGPT validation lengths into one simulated replica, the same "
+        "arrivals for both schedulers, every request served to completion; medians over seeds of mean E2E, "
+        "p90 TTFT, TPOT, SLO attainment, goodput and tokens/s, and the ratios. Modelled time: a rate sweep "
+        "takes seconds and has no machine noise. --calibration takes `plan calibrate-cpu --json` output and "
+        "simulates this machine's SmolLM2 (fit it --from-trace to time the steps as the service runs them).")
+    _common(ab)
+    ab.set_defaults(ttft_slo_ms=2000, tpot_slo_ms=100)
+    ab.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the replica (default 1)")
+    ab.add_argument("--calibration", metavar="JSON", help="a CPU profile from `plan calibrate-cpu --json` (then the "
+                    "model is SmolLM2-135M float32, --hardware/--model are ignored)")
+    ab.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.4, 0.6],
+                    help="requests/s, comma-separated (default 0.4,0.6)")
+    ab.add_argument("--duration", type=float, default=90, help="seconds of arrivals per run (default 90)")
+    ab.add_argument("--seeds", type=int, default=3, help="runs per rate and scheduler; medians reported (default 3)")
+    ab.add_argument("--kv-tokens", type=int, help="KV pool (default: the online pool's 8192 with --calibration, "
+                    "else what the GPU holds next to the weights)")
+    ab.add_argument("--batch-tokens", type=int, help="per-step token budget (default 256 with --calibration, else 2048)")
+    ab.add_argument("--bucket-noise", type=float, default=0.0,
+                    help="std-dev in buckets added to the oracle's prediction (default 0: exact buckets)")
+    ab.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
+                    help="the two schedulers (default online,fcfs)")
+    ab.set_defaults(func=cmd_scheduler_ab)

@@ -6,9 +6,16 @@ The simulator's step time is ``max(memory_s, compute_s) + overhead_s`` with
 ``memory_s = bytes / bandwidth`` and ``compute_s = flops / flop_rate``; the bytes and FLOPs of each
 measured step come from SimRunner itself (with unit constants), so the fit checks the very formula
 that plans GPU fleets. The fit minimises the worst relative error over the batch sizes.
+
+``calibrate_trace`` fits the same two constants to the steps a serving engine actually ran
+(``FORESERVE_STEP_TRACE``): mixed prefill and decode, real contexts, and whatever else shares the
+cores. It minimises the median relative error (single traced steps are noisy).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -26,31 +33,45 @@ def cpu_profile(bandwidth_bytes_per_s: float, flops: float, name: str = "CPU") -
     )
 
 
-def _components(batch: int, context: int) -> tuple[float, float]:
-    """(bytes, FLOPs) of one decode step of ``batch`` sequences at ``context`` cached tokens (fp32)."""
+def cpu_model():
+    """SmolLM2-135M as the engine runs it on CPU (float32 weights and KV)."""
+    return MODELS["smollm2-135m"].model_copy(update={"bytes_per_param": 4})
+
+
+def _step_components(chunks: list[tuple[int, int, bool]]) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step of (cached tokens, new tokens, sampled) chunks, as SimRunner costs it."""
     from app.engine.request import SamplingParams, ScheduledChunk
     from app.engine.sim import SimRunner
 
-    model = MODELS["smollm2-135m"].model_copy(update={"bytes_per_param": 4})
-    runner = SimRunner(cpu_profile(1.0, 1.0), model)
+    runner = SimRunner(cpu_profile(1.0, 1.0), cpu_model())
     greedy = SamplingParams(temperature=0.0)
-    chunks = [ScheduledChunk(f"r{i}", [1], context, [], True, greedy, 0) for i in range(batch)]
-    cost = runner.step_cost(chunks)
+    step = [ScheduledChunk(f"r{i}", [1] * n, start, [], bool(sample), greedy, 0)
+            for i, (start, n, sample) in enumerate(chunks)]
+    cost = runner.step_cost(step)
     return cost.memory_s, cost.compute_s  # with unit rates: bytes and FLOPs
 
 
-def fit(points: list[tuple[int, float]], context: int) -> tuple[float, float, float]:
-    """(bandwidth, flop rate, worst relative error) for measured (batch, seconds) points."""
-    comps = np.array([_components(b, context) for b, _ in points])
-    measured = np.array([t for _, t in points])
+def _components(batch: int, context: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step of ``batch`` sequences at ``context`` cached tokens (fp32)."""
+    return _step_components([(context, 1, True)] * batch)
+
+
+def _fit(comps: np.ndarray, measured: np.ndarray, reduce) -> tuple[float, float, float]:
+    """Grid search of (bandwidth, flop rate) minimising ``reduce`` of the relative errors."""
     bws = np.logspace(8.5, 11.5, 301)
     fls = np.logspace(9, 12.5, 351)
     mem = comps[:, 0][None, None, :] / bws[:, None, None]
     cmp = comps[:, 1][None, None, :] / fls[None, :, None]
     predicted = np.maximum(mem, cmp) + CPU_OVERHEAD_S
-    worst = np.abs(predicted / measured - 1).max(axis=2)
-    i, j = np.unravel_index(worst.argmin(), worst.shape)
-    return float(bws[i]), float(fls[j]), float(worst[i, j])
+    loss = reduce(np.abs(predicted / measured - 1), axis=2)
+    i, j = np.unravel_index(loss.argmin(), loss.shape)
+    return float(bws[i]), float(fls[j]), float(loss[i, j])
+
+
+def fit(points: list[tuple[int, float]], context: int) -> tuple[float, float, float]:
+    """(bandwidth, flop rate, worst relative error) for measured (batch, seconds) points."""
+    comps = np.array([_components(b, context) for b, _ in points])
+    return _fit(comps, np.array([t for _, t in points]), np.max)
 
 
 def measure(batch_sizes: list[int], context: int, repeats: int) -> list[tuple[int, float]]:
@@ -83,4 +104,38 @@ def calibrate(batch_sizes: list[int], context: int = 256, repeats: int = 3) -> d
         "fitted": {"memory_bandwidth_bytes_per_s": round(bandwidth), "flops": round(flops), "overhead_s": CPU_OVERHEAD_S},
         "points": rows,
         "max_abs_error": round(worst, 4),
+    }
+
+
+def calibrate_trace(paths: list[Path], max_steps: int = 4000) -> dict:
+    """Fit the CPU profile to traced engine steps (``FORESERVE_STEP_TRACE`` JSONL files).
+
+    Reports the median error over all steps and, per decode batch size, the median measured and
+    modelled step time of the pure decode steps."""
+    steps = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("chunks") and rec["forward_s"] > 0:
+                steps.append(rec)
+    if not steps:
+        raise ValueError(f"no traced steps with chunks in {', '.join(map(str, paths))}")
+    steps = steps[:: max(1, len(steps) // max_steps)]
+    comps = np.array([_step_components([tuple(c) for c in rec["chunks"]]) for rec in steps])
+    measured = np.array([rec["forward_s"] for rec in steps])
+    bandwidth, flops, median_error = _fit(comps, measured, np.median)
+    predicted = np.maximum(comps[:, 0] / bandwidth, comps[:, 1] / flops) + CPU_OVERHEAD_S
+    rows = []
+    for lo, hi in ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 1 << 30)):
+        idx = [i for i, rec in enumerate(steps) if rec["prefill_tokens"] == 0 and lo <= rec["decode_rows"] <= hi]
+        if idx:
+            m, p = float(np.median(measured[idx])), float(np.median(predicted[idx]))
+            rows.append({"decode_rows": f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", "steps": len(idx),
+                         "measured_ms": round(m * 1000, 2), "predicted_ms": round(p * 1000, 2), "error": round(p / m - 1, 4)})
+    return {
+        "source": "trace",
+        "steps": len(steps),
+        "fitted": {"memory_bandwidth_bytes_per_s": round(bandwidth), "flops": round(flops), "overhead_s": CPU_OVERHEAD_S},
+        "median_abs_error": round(median_error, 4),
+        "decode_steps": rows,
     }

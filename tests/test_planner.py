@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
 
 import pytest
 
+from app.config import EngineConfig
 from app.engine.profiles import HARDWARE, MODELS
-from autoscale.calibrate import CPU_OVERHEAD_S, _components, fit
+from app.engine.sim import SimRunner
+from autoscale.calibrate import CPU_OVERHEAD_S, _components, _step_components, calibrate_trace, cpu_model, cpu_profile, fit
 from autoscale.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
 from autoscale.day import LOADS, diurnal_rates, simulate_day
 from autoscale.planner import PlanRequest, _pool_choice, feasible_tps
+from autoscale.scheduler_ab import scheduler_ab
 
 WORKLOAD = Workload.lognormal(400, 111, 330, seed=1)
 
@@ -130,3 +135,77 @@ def test_calibration_measures_the_real_model():
     assert [p["batch_size"] for p in report["points"]] == [1, 8]
     assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 for p in report["points"])
     assert report["fitted"]["memory_bandwidth_bytes_per_s"] > 0 and report["fitted"]["flops"] > 0
+
+
+def test_trace_calibration_recovers_known_constants(tmp_path):
+    bw, flops = 5e9, 4e10
+    rng = random.Random(0)
+    lines = []
+    for i in range(60):
+        decode = [[rng.randint(50, 900), 1, 1] for _ in range(rng.choice([1, 2, 4, 8, 16, 32]))]
+        prefill = [[0, rng.randint(16, 200), 1]] if i % 3 == 0 else []
+        chunks = decode + prefill
+        mem, cmp = _step_components([tuple(c) for c in chunks])
+        t = max(mem / bw, cmp / flops) + CPU_OVERHEAD_S
+        if i % 10 == 0:
+            t *= 3  # a step that shared the cores: the median fit must shrug it off
+        lines.append(json.dumps({"forward_s": t, "decode_rows": len(decode), "prefill_tokens": sum(c[1] for c in prefill),
+                                 "chunks": chunks}))
+    path = tmp_path / "steps-online-1.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    report = calibrate_trace([path])
+    assert report["steps"] == 60 and report["median_abs_error"] < 0.03
+    fitted = report["fitted"]
+    assert math.isclose(fitted["memory_bandwidth_bytes_per_s"], bw, rel_tol=0.05)
+    assert math.isclose(fitted["flops"], flops, rel_tol=0.1)
+    assert {row["decode_rows"] for row in report["decode_steps"]} >= {"1-1", "16-31"}
+    with pytest.raises(ValueError, match="no traced steps"):
+        (tmp_path / "empty.jsonl").write_text("")
+        calibrate_trace([tmp_path / "empty.jsonl"])
+
+
+def _cpu_ab_config(**overrides) -> tuple[SimRunner, EngineConfig]:
+    runner = SimRunner(cpu_profile(3.5e9, 1.8e10), cpu_model())
+    fields = dict(allocation="reserve_predicted", kv_cache_tokens=8192, max_num_batched_tokens=256, max_num_seqs=256,
+                  default_max_tokens=256, max_model_len_tokens=2304, ttft_slo_ms=2000, tpot_slo_ms=300)
+    fields.update(overrides)
+    return runner, EngineConfig(**fields)
+
+
+def test_scheduler_ab_gives_both_schedulers_the_same_load():
+    runner, config = _cpu_ab_config()
+    workload = Workload.lognormal(300, 111, 150, max_tokens=256, seed=2)
+    report = scheduler_ab(runner, config, workload, rates=[0.3], duration_s=40, seeds=2, schedulers=("fcfs", "fcfs"))
+    [row] = report["summary"]
+    assert row["e2e_ratio"] == 1.0 and row["goodput_ratio"] in (1.0, None)  # deterministic: same arrivals, same result
+    runs = report["runs"]
+    assert len(runs) == 4 and runs[0] == runs[1] and runs[0]["requests"] > 0
+    for run in runs:
+        assert 0 <= run["slo_attainment"] <= 1 and run["mean_e2e_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert run["goodput_rps"] == pytest.approx(run["slo_attainment"] * run["requests"] / 40, abs=1e-3)
+
+
+def test_scheduler_ab_online_beats_fcfs_in_overload():
+    """Past saturation FCFS admits everything memory allows and every answer slows; the online
+    scheduler holds the decode batch to the TPOT objective and runs predicted-short answers first."""
+    runner, config = _cpu_ab_config()
+    workload = Workload.lognormal(300, 111, 150, max_tokens=256, seed=2)
+    report = scheduler_ab(runner, config, workload, rates=[0.8], duration_s=40, seeds=1)
+    [row] = report["summary"]
+    assert row["e2e_ratio"] > 1.1
+    assert row["online"]["p50_tpot_ms"] < row["fcfs"]["p50_tpot_ms"]
+
+
+def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    from app.cli import main
+
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"fitted": {"memory_bandwidth_bytes_per_s": 3.5e9, "flops": 1.8e10}}))
+    out = tmp_path / "ab.json"
+    assert main(["plan", "scheduler-ab", "--calibration", str(calibration), "--rates", "0.3", "--duration", "20",
+                 "--seeds", "1", "--max-tokens", "128", "--tpot-slo-ms", "300", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "smollm2-135m tp=1 on CPU, KV 8192 tokens, step budget 256" in text and "online vs fcfs: mean E2E" in text
+    report = json.loads(out.read_text())
+    assert report["schedulers"] == ["online", "fcfs"] and len(report["runs"]) == 2
+    assert {"online", "fcfs", "e2e_ratio", "goodput_ratio"} <= report["summary"][0].keys()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -276,3 +277,50 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06  # one token per (recent mean) step
     fixed = make_engine("reserve_predicted", "online", aging_tokens_per_s=7.0).scheduler
     assert fixed.aging_tokens_per_s() == 7.0
+
+
+def test_step_trace_writes_one_line_per_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORESERVE_STEP_TRACE", str(tmp_path))
+    engine = make_engine(kv_tokens=512)
+    add(engine, "a", prompt_tokens=40, output_tokens=3)
+    add(engine, "b", prompt_tokens=30, output_tokens=2)
+    run_all(engine)
+    engine.shutdown()
+    [path] = tmp_path.glob("steps-fcfs-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == engine.stats().steps
+    assert sum(r["prefill_tokens"] for r in rows) == 70  # every prompt token once, in 64-token chunks
+    assert sum(r["decode_rows"] for r in rows) == (3 - 1) + (2 - 1)  # the first token comes from prefill
+    assert rows[0]["interval_s"] is None and all(r["interval_s"] >= 0 for r in rows[1:])
+    assert sum(n for r in rows for _, n, _ in r["chunks"]) == 70 + 3
+    assert {"forward_s", "running", "waiting", "budget", "max_running", "kv_free_tokens"} <= rows[0].keys()
+
+
+def test_step_time_model_is_monotone_and_survives_its_own_cap():
+    """Noisy steps at the size the cap allows must not drag the cap to one (the old straight-line fit
+    did: its intercept rose above the objective and pinned the batch while requests waited)."""
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    assert model.max_tokens_within(0.3) is None  # nothing measured yet
+    for tokens, step_s in [(1, 0.08), (2, 0.09), (4, 0.13), (8, 0.17)] * 3:
+        model.observe(tokens, step_s)
+    rng = random.Random(0)
+    for _ in range(300):
+        model.observe(rng.choice([10, 11, 12]), rng.uniform(0.25, 0.6))
+    # steps of 10-12 tokens average 0.42 s: the cap falls between 4 tokens (0.13 s) and them, not to one
+    assert 4 < model.max_tokens_within(0.3) < 10
+    points = model.curve()
+    assert all(a[0] < b[0] or a[1] == b[1] for a, b in zip(points, points[1:]))
+    assert all(a[1] <= b[1] for a, b in zip(points, points[1:]))
+    assert model.max_tokens_within(0.05) == 0  # even one token misses: no step fits
+
+
+def test_step_time_model_extrapolates_past_the_largest_step_run():
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    for tokens, step_s in [(1, 0.05), (2, 0.06), (4, 0.08), (8, 0.1)] * 2:
+        model.observe(tokens, step_s)
+    assert model.max_tokens_within(0.2) == 16  # proportional past 8 tokens: 0.1 s * 16 / 8
+    assert model.max_tokens_within(0.07) == 3  # interpolated between 2 (60 ms) and 4 (80 ms)

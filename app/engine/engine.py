@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -73,6 +75,8 @@ class LLMEngine:
         self._detok: dict[str, Detokenizer] = {}
         self.forward_s = 0.0
         self.output_tokens = 0
+        self._trace = _open_step_trace(config)
+        self._last_step_end: float | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
@@ -237,9 +241,32 @@ class LLMEngine:
         if self.runner.simulated:
             self._sim_clock_s += result.step_s
         self.scheduler.observe_step(sched_out.num_tokens, result.step_s)
+        if self._trace is not None:
+            self._trace_step(sched_out, result.step_s)
         touched = self.scheduler.update(sched_out, result, self.runner.eos_token_id)
         self.output_tokens += len(touched)
         return [self._output(req) for req in touched]
+
+    def _trace_step(self, sched_out, forward_s: float) -> None:
+        now = self.clock()
+        decode = sum(1 for c in sched_out.chunks if len(c.token_ids) == 1 and c.num_output_tokens > 0)
+        record = {
+            "t": round(now, 4),
+            # NOTE: step end to step end: what a streaming client sees between tokens
+            "interval_s": round(now - self._last_step_end, 4) if self._last_step_end is not None else None,
+            "forward_s": round(forward_s, 4),
+            "decode_rows": decode,
+            "prefill_tokens": sched_out.num_tokens - decode,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "budget": self.scheduler.step_token_budget(),
+            "max_running": self.scheduler.max_running(),
+            "kv_free_tokens": self.pool.num_free_blocks * self.pool.block_size_tokens,
+            # (cached tokens, new tokens, sampled) per sequence: enough to re-cost the step (plan calibrate-cpu)
+            "chunks": [[c.start_pos, len(c.token_ids), int(c.sample)] for c in sched_out.chunks],
+        }
+        self._trace.write(json.dumps(record) + "\n")
+        self._last_step_end = now
 
     def _output(self, req: Request) -> RequestOutput:
         text = ""
@@ -284,3 +311,17 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+
+def _open_step_trace(config: EngineConfig):
+    """``FORESERVE_STEP_TRACE=DIR``: one JSONL line per step (composition, forward time, the interval
+    since the previous step, the scheduler's budget) in DIR/steps-<scheduler>-<pid>.jsonl."""
+    folder = os.environ.get("FORESERVE_STEP_TRACE")
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"steps-{config.scheduler}-{os.getpid()}.jsonl")
+    return open(path, "a", buffering=1)  # NOTE: line-buffered: a killed replica keeps its lines

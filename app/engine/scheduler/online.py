@@ -6,14 +6,17 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   rate is by default one token per engine step (the measured mean step time): a waiting request is
   credited the tokens it would have produced running, so it waits at most about its own run time
   behind shorter work, on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).
-- TPOT: the step time is learned online as ``a + b * tokens`` (exponentially weighted least
-  squares over measured steps); the per-step token budget is capped so a step stays within the
-  TPOT objective, which bounds decode batch size and prefill chunks alike.
+- TPOT: the step time is learned online as a non-decreasing function of the tokens a step carries
+  (running means per bin of step sizes, made monotone; ``StepTimeModel``); the per-step token budget
+  is capped so a step stays within the TPOT objective, which bounds decode batch size and prefill
+  chunks alike.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
 
 from __future__ import annotations
+
+import bisect
 
 from app.engine.request import Request
 from app.engine.scheduler.base import Scheduler
@@ -25,37 +28,76 @@ TPOT_HEADROOM = 1.0
 STEP_EWMA = 0.1  # weight of the newest step in the mean step time that sets the aging rate
 
 
-class StepTimeModel:
-    """Exponentially weighted least squares fit of ``step_s = a + b * tokens``."""
+# Step sizes (tokens) are binned at these lower edges; each bin keeps its own running means.
+STEP_BINS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
+BIN_EWMA = 0.1  # weight of the newest step in its bin's means
+BIN_WEIGHT_CAP = 20  # a bin's weight in the monotone fit: its observations, up to this
 
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+class StepTimeModel:
+    """Measured step time as a non-decreasing function of the tokens a step carries.
+
+    Each bin of step sizes keeps an exponentially weighted mean of its tokens and step times; the
+    curve through the bins is made non-decreasing by pooling adjacent violators (isotonic
+    regression, weighted by how often each bin was seen) and read by linear interpolation. Past the
+    largest size measured it is extrapolated through the origin (step time proportional to tokens:
+    exact once compute-bound, conservative before), so the cap can grow into sizes not yet run.
+
+    NOTE: a straight-line fit ``a + b * tokens`` (the first version) broke under its own cap: once
+    the cap held steps to a narrow range of sizes, noise in their times made the slope meaningless,
+    and a fitted intercept above the objective pinned the decode batch at one while twenty requests
+    waited (a 0.6 req/s load test on 2 cores). Bins do not forget the sizes that the cap stops running.
+    """
+
+    def __init__(self) -> None:
+        self.tokens = [0.0] * len(STEP_BINS)
+        self.times = [0.0] * len(STEP_BINS)
+        self.counts = [0] * len(STEP_BINS)
 
     def observe(self, tokens: int, step_s: float) -> None:
-        d = self.decay
-        self.n = d * self.n + 1.0
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + step_s
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * step_s
+        if tokens <= 0:
+            return
+        i = bisect.bisect_right(STEP_BINS, tokens) - 1
+        if self.counts[i] == 0:
+            self.tokens[i], self.times[i] = float(tokens), step_s
+        else:
+            self.tokens[i] += BIN_EWMA * (tokens - self.tokens[i])
+            self.times[i] += BIN_EWMA * (step_s - self.times[i])
+        self.counts[i] += 1
 
-    def coefficients(self) -> tuple[float, float] | None:
-        if self.n < 4:
-            return None
-        var = self.n * self.sxx - self.sx * self.sx
-        if var <= 1e-9:
-            return None
-        b = (self.n * self.sxy - self.sx * self.sy) / var
-        a = (self.sy - b * self.sx) / self.n
-        return (max(a, 0.0), b) if b > 0 else None
+    def curve(self) -> list[tuple[float, float]]:
+        """(tokens, seconds) points of the non-decreasing fit, by increasing tokens."""
+        blocks: list[list[float]] = []  # [weight, weighted time, first token count, last token count]
+        for x, t, n in zip(self.tokens, self.times, self.counts):
+            if not n:
+                continue
+            w = float(min(n, BIN_WEIGHT_CAP))
+            blocks.append([w, w * t, x, x])
+            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][0] > blocks[-1][1] / blocks[-1][0]:
+                w2, wt2, _, x_hi = blocks.pop()
+                blocks[-1][0] += w2
+                blocks[-1][1] += wt2
+                blocks[-1][3] = x_hi
+        points: list[tuple[float, float]] = []
+        for w, wt, x_lo, x_hi in blocks:  # a pooled block is flat over the sizes it covers
+            points.append((x_lo, wt / w))
+            if x_hi > x_lo:
+                points.append((x_hi, wt / w))
+        return points
 
     def max_tokens_within(self, step_s: float) -> int | None:
-        coef = self.coefficients()
-        if coef is None:
+        """The most tokens a step may carry and still take at most ``step_s`` (None until measured)."""
+        if sum(self.counts) < 4:
             return None
-        a, b = coef
-        return int((step_s - a) / b + 1e-6)  # NOTE: 19.9999 is 20 tokens
+        points = self.curve()
+        x0, t0 = points[0]
+        if t0 > step_s:
+            return int(x0 * step_s / t0)  # even the smallest step misses: shrink below it (0 means none)
+        for (xa, ta), (xb, tb) in zip(points, points[1:]):
+            if tb > step_s:
+                return int(xa + (xb - xa) * (step_s - ta) / (tb - ta) + 1e-6)
+        x_last, t_last = points[-1]
+        return int(x_last * step_s / t_last + 1e-6)
 
 
 class OnlineScheduler(Scheduler):
