@@ -67,7 +67,7 @@ plan: prepare
 	$(VENV)/bin/foreserve plan simulate-day --model llama-3-8b --hardware H100-80G --json reports/day.json --plot reports/day.png
 	$(VENV)/bin/foreserve plan calibrate-cpu --repeats 5 --json reports/calibrate_cpu.json
 	$(VENV)/bin/foreserve plan scheduler-ab --calibration reports/calibrate_service.json --rates 0.3,0.4,0.6,0.8 \
-		--max-tokens 256 --tpot-slo-ms 300 --json reports/scheduler_ab_sim.json
+		--max-tokens 256 --ttft-slo-ms 2000 --tpot-slo-ms 300 --json reports/scheduler_ab_sim.json
 
 loadtest: prepare
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest --stages ramp:30:0.05-0.2,steady:60:0.2,burst:15:0.6 \
