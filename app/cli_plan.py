@@ -152,8 +152,12 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     if args.calibration:
         from autoscale.calibrate import cpu_model, cpu_profile
 
-        fitted = json.loads(Path(args.calibration).read_text())["fitted"]
-        runner = SimRunner(cpu_profile(fitted["memory_bandwidth_bytes_per_s"], fitted["flops"]), cpu_model())
+        try:
+            fitted = json.loads(Path(args.calibration).read_text())["fitted"]
+            rates = fitted["memory_bandwidth_bytes_per_s"], fitted["flops"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{args.calibration}: not `plan calibrate-cpu --json` output (missing {exc})") from None
+        runner = SimRunner(cpu_profile(*rates), cpu_model())
         kv_tokens, batch_tokens = args.kv_tokens or 8192, args.batch_tokens or 256  # the online pool's
     else:
         hardware, model = parse_sim_spec(f"{args.hardware}:{args.model}")
@@ -184,11 +188,11 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p, day: bool = False) -> None:
+def _common(p, slo: str = "online p99") -> None:
     p.add_argument("--model", default="llama-3-8b", help="model profile: llama-3-8b (default), llama-3-70b, smollm2-135m")
     p.add_argument("--hardware", default="H100-80G", help="GPU profile: A100-80G, H100-80G (default), H200")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000, help="online p99 TTFT objective (default 1000)")
-    p.add_argument("--tpot-slo-ms", type=float, default=50, help="online p99 TPOT objective (default 50)")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000, help=f"{slo} TTFT objective (default 1000)")
+    p.add_argument("--tpot-slo-ms", type=float, default=50, help=f"{slo} TPOT objective (default 50)")
     p.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of the requests (default 1024)")
     p.add_argument("--json", metavar="FILE")
 
@@ -238,10 +242,7 @@ def add_parser(sub) -> None:
         "p90 TTFT, TPOT, SLO attainment, goodput and tokens/s, and the ratios. Modelled time: a rate sweep "
         "takes seconds and has no machine noise. --calibration takes `plan calibrate-cpu --json` output and "
         "simulates this machine's SmolLM2 (fit it --from-trace to time the steps as the service runs them).")
-    _common(ab)
-    for action in ab._actions:  # NOTE: scored per request here, as the load test scores, not at p99
-        if action.dest in ("ttft_slo_ms", "tpot_slo_ms"):
-            action.help = action.help.replace("online p99", "each request's")
+    _common(ab, slo="each request's")  # NOTE: scored per request, as the load test scores, not at p99
     ab.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the replica (default 1)")
     ab.add_argument("--calibration", metavar="JSON", help="a CPU profile from `plan calibrate-cpu --json` (then the "
                     "model is SmolLM2-135M float32, --hardware/--model are ignored)")

@@ -15,6 +15,7 @@ cores. It minimises the median relative error (single traced steps are noisy).
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +39,23 @@ def cpu_model():
     return MODELS["smollm2-135m"].model_copy(update={"bytes_per_param": 4})
 
 
+@lru_cache(maxsize=1)
+def _unit_runner():
+    """SimRunner on a CPU of unit rates: its memory_s and compute_s are bytes and FLOPs."""
+    from app.engine.sim import SimRunner
+
+    return SimRunner(cpu_profile(1.0, 1.0), cpu_model())
+
+
 def _step_components(chunks: list[tuple[int, int, bool]]) -> tuple[float, float]:
     """(bytes, FLOPs) of one step of (cached tokens, new tokens, sampled) chunks, as SimRunner costs it."""
     from app.engine.request import SamplingParams, ScheduledChunk
-    from app.engine.sim import SimRunner
 
-    runner = SimRunner(cpu_profile(1.0, 1.0), cpu_model())
     greedy = SamplingParams(temperature=0.0)
     step = [ScheduledChunk(f"r{i}", [1] * n, start, [], bool(sample), greedy, 0)
             for i, (start, n, sample) in enumerate(chunks)]
-    cost = runner.step_cost(step)
-    return cost.memory_s, cost.compute_s  # with unit rates: bytes and FLOPs
+    cost = _unit_runner().step_cost(step)
+    return cost.memory_s, cost.compute_s
 
 
 def _components(batch: int, context: int) -> tuple[float, float]:
@@ -56,13 +63,16 @@ def _components(batch: int, context: int) -> tuple[float, float]:
     return _step_components([(context, 1, True)] * batch)
 
 
+def _step_s(comps: np.ndarray, bandwidth, flops):
+    """The roofline step time of (bytes, FLOPs) rows; broadcasts over arrays of rates."""
+    return np.maximum(comps[..., 0] / bandwidth, comps[..., 1] / flops) + CPU_OVERHEAD_S
+
+
 def _fit(comps: np.ndarray, measured: np.ndarray, reduce) -> tuple[float, float, float]:
     """Grid search of (bandwidth, flop rate) minimising ``reduce`` of the relative errors."""
     bws = np.logspace(8.5, 11.5, 301)
     fls = np.logspace(9, 12.5, 351)
-    mem = comps[:, 0][None, None, :] / bws[:, None, None]
-    cmp = comps[:, 1][None, None, :] / fls[None, :, None]
-    predicted = np.maximum(mem, cmp) + CPU_OVERHEAD_S
+    predicted = _step_s(comps[None, None], bws[:, None, None], fls[None, :, None])
     loss = reduce(np.abs(predicted / measured - 1), axis=2)
     i, j = np.unravel_index(loss.argmin(), loss.shape)
     return float(bws[i]), float(fls[j]), float(loss[i, j])
@@ -96,7 +106,7 @@ def calibrate(batch_sizes: list[int], context: int = 256, repeats: int = 3) -> d
     rows = []
     for b, t in points:
         mem, cmp = _components(b, context)
-        predicted = max(mem / bandwidth, cmp / flops) + CPU_OVERHEAD_S
+        predicted = float(_step_s(np.array([mem, cmp]), bandwidth, flops))
         rows.append({"batch_size": b, "measured_ms": round(t * 1000, 2), "predicted_ms": round(predicted * 1000, 2),
                      "error": round(predicted / t - 1, 4), "bound": "memory" if mem / bandwidth >= cmp / flops else "compute"})
     return {
@@ -114,17 +124,20 @@ def calibrate_trace(paths: list[Path], max_steps: int = 4000) -> dict:
     modelled step time of the pure decode steps."""
     steps = []
     for path in paths:
-        for line in Path(path).read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("chunks") and rec["forward_s"] > 0:
-                steps.append(rec)
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                if rec.get("chunks") and rec["forward_s"] > 0:
+                    steps.append(rec)
+            except (ValueError, KeyError, AttributeError) as exc:
+                raise ValueError(f"{path}:{number}: not a step-trace line ({exc!r})") from None
     if not steps:
         raise ValueError(f"no traced steps with chunks in {', '.join(map(str, paths))}")
     steps = steps[:: max(1, len(steps) // max_steps)]
     comps = np.array([_step_components([tuple(c) for c in rec["chunks"]]) for rec in steps])
     measured = np.array([rec["forward_s"] for rec in steps])
     bandwidth, flops, median_error = _fit(comps, measured, np.median)
-    predicted = np.maximum(comps[:, 0] / bandwidth, comps[:, 1] / flops) + CPU_OVERHEAD_S
+    predicted = _step_s(comps, bandwidth, flops)
     rows = []
     for lo, hi in ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 1 << 30)):
         idx = [i for i, rec in enumerate(steps) if rec["prefill_tokens"] == 0 and lo <= rec["decode_rows"] <= hi]

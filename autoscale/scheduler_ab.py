@@ -92,6 +92,11 @@ def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, ra
                  bucket_noise: float = 0.0) -> dict:
     """Every (rate, seed) under both schedulers; per rate the medians and the median ratios
     (mean E2E of B / A, goodput of A / B: above 1 means A is better)."""
+    if len(schedulers) != 2:
+        raise ValueError(f"an A/B takes two schedulers, got {list(schedulers)}")
+    if not rates or min(rates) <= 0 or duration_s <= 0 or seeds < 1 or bucket_noise < 0:
+        raise ValueError(f"need rates > 0 (got {rates}), duration > 0 (got {duration_s}), seeds >= 1 (got {seeds}) "
+                         f"and bucket noise >= 0 (got {bucket_noise})")
     a, b = schedulers
     runs, summary = [], []
     for rate in rates:

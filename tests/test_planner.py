@@ -162,6 +162,9 @@ def test_trace_calibration_recovers_known_constants(tmp_path):
     with pytest.raises(ValueError, match="no traced steps"):
         (tmp_path / "empty.jsonl").write_text("")
         calibrate_trace([tmp_path / "empty.jsonl"])
+    (tmp_path / "torn.jsonl").write_text(lines[0] + "\n" + lines[1][:20] + "\n")
+    with pytest.raises(ValueError, match=r"torn.jsonl:2: not a step-trace line"):
+        calibrate_trace([tmp_path / "torn.jsonl"])
 
 
 def _cpu_ab_config(**overrides) -> tuple[SimRunner, EngineConfig]:
@@ -209,3 +212,20 @@ def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["schedulers"] == ["online", "fcfs"] and len(report["runs"]) == 2
     assert {"online", "fcfs", "e2e_ratio", "goodput_ratio"} <= report["summary"][0].keys()
+
+
+def test_scheduler_ab_rejects_bad_input_clearly(tmp_path, capsys):
+    from app.cli import main
+
+    runner, config = _cpu_ab_config()
+    workload = Workload.lognormal(50, 111, 150, max_tokens=256, seed=2)
+    with pytest.raises(ValueError, match="rates > 0"):
+        scheduler_ab(runner, config, workload, rates=[0.0], duration_s=40)
+    with pytest.raises(ValueError, match="seeds >= 1"):
+        scheduler_ab(runner, config, workload, rates=[0.3], duration_s=40, seeds=0)
+    with pytest.raises(ValueError, match="two schedulers"):
+        scheduler_ab(runner, config, workload, rates=[0.3], duration_s=40, schedulers=("online",))
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"points": []}))
+    assert main(["plan", "scheduler-ab", "--calibration", str(bad), "--rates", "0.3"]) == 2
+    assert "not `plan calibrate-cpu --json` output" in capsys.readouterr().err
