@@ -271,3 +271,24 @@ def test_linear_leaves_other_modules_to_their_forward():
     module = Scaled(8, 4)
     x = torch.randn(3, 8)
     torch.testing.assert_close(linear(module, x), 2 * torch.nn.functional.linear(x, module.weight, module.bias))
+
+
+def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
+    import threading
+
+    from app.engine.runner import on_short_lived_thread
+
+    seen: list[threading.Thread] = []
+
+    def build() -> str:
+        seen.append(threading.current_thread())
+        return "built"
+
+    assert on_short_lived_thread(build) == "built"
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def broken() -> None:
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        on_short_lived_thread(broken)

@@ -83,7 +83,7 @@ class LLMEngine:
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
         from transformers import AutoConfig
 
-        from app.engine.runner import HFRunner
+        from app.engine.runner import HFRunner, on_short_lived_thread
 
         hf_config = AutoConfig.from_pretrained(config.model_path)
         num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.cache_dtype))
@@ -94,9 +94,9 @@ class LLMEngine:
         elif config.tensor_parallel_size > 1:
             from app.engine.tp import TPRunner
 
-            runner = TPRunner(config, num_blocks)
+            runner = TPRunner(config, num_blocks)  # its ranks are processes of their own
         else:
-            runner = HFRunner(config, num_blocks)
+            runner = on_short_lived_thread(lambda: HFRunner(config, num_blocks))  # see its docstring
         return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor, feedback=feedback)
 
     # -- time ------------------------------------------------------------------------------
