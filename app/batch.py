@@ -36,13 +36,17 @@ class PredictStage:
 
     def __init__(self, source: str = "champion") -> None:
         t0 = time.perf_counter()
+        from app.engine.runner import on_short_lived_thread
         from predictor.pipeline import load_predictor_or_max
 
-        self.predictor = load_predictor_or_max(source)
+        # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
+        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source))
         print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def __call__(self, batch: dict) -> dict:
+        t0 = time.perf_counter()
         pred = self.predictor.predict(list(batch["text"]))
+        print(f"predicted {len(pred.buckets)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
         batch["bucket"] = list(pred.buckets)
         batch["bound_tokens"] = list(pred.bound_tokens)
         batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
@@ -263,9 +267,14 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     if todo:
         items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
                   "text": r.request.predictor_text()} for r in todo]
+        threads = engine.torch_threads or max(1, int(engine_cpus))
+        # NOTE: an engine batch starts once its rows are predicted (all rows, when they are sorted),
+        # so the predictor may use an engine's threads; beside a Serve app it keeps to one and
+        # leaves the cores to the online pool
+        predict_threads = 1 if backend == "serve" else threads
         ds = ray.data.from_items(items).map_batches(
             PredictStage, fn_constructor_kwargs={"source": predictor}, compute=ray.data.ActorPoolStrategy(size=1),
-            batch_size=64, num_cpus=0.25)
+            batch_size=64, num_cpus=0.25, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(predict_threads)}})
         engines = 1 if backend == "serve" else replicas
         if len(todo) > batch_size * engines:
             # S3: with more rows than the engines take at once, similar predicted lengths travel
@@ -281,7 +290,6 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
             ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name},
                                 compute=ray.data.ActorPoolStrategy(size=1), batch_size=batch_size, num_cpus=0.05)
         else:
-            threads = engine.torch_threads or max(1, int(engine_cpus))
             ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, compute=ray.data.ActorPoolStrategy(size=replicas),
                                 batch_size=batch_size, num_cpus=engine_cpus * engine.tensor_parallel_size,
                                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
