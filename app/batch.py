@@ -34,17 +34,21 @@ STATUS_FILE = "status.json"
 class PredictStage:
     """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns."""
 
-    def __init__(self, source: str = "champion") -> None:
+    def __init__(self, source: str = "champion", threads: int = 1) -> None:
         t0 = time.perf_counter()
         from app.engine.runner import on_short_lived_thread
-        from predictor.pipeline import load_predictor_or_max
+        from predictor.loading import load_predictor_or_max
 
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
         self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source))
+        self.threads = threads
         print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def __call__(self, batch: dict) -> dict:
+        import torch
+
         t0 = time.perf_counter()
+        torch.set_num_threads(self.threads)  # NOTE: per calling thread (OpenMP), like the runner's
         pred = self.predictor.predict(list(batch["text"]))
         print(f"predicted {len(pred.buckets)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
         batch["bucket"] = list(pred.buckets)
@@ -272,9 +276,12 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
         # so the predictor may use an engine's threads; beside a Serve app it keeps to one and
         # leaves the cores to the online pool
         predict_threads = 1 if backend == "serve" else threads
+        # NOTE: no runtime_env on the stages (an actor with one of its own needs a worker started for
+        # it: ~1 s more on the job's critical path here). Ray sets an actor's OMP_NUM_THREADS to its
+        # CPUs, which is the engine's ``threads``; the predictor sets its own in its stage.
         ds = ray.data.from_items(items).map_batches(
-            PredictStage, fn_constructor_kwargs={"source": predictor}, compute=ray.data.ActorPoolStrategy(size=1),
-            batch_size=64, num_cpus=0.25, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(predict_threads)}})
+            PredictStage, fn_constructor_kwargs={"source": predictor, "threads": predict_threads},
+            compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
         engines = 1 if backend == "serve" else replicas
         if len(todo) > batch_size * engines:
             # S3: with more rows than the engines take at once, similar predicted lengths travel
@@ -291,8 +298,7 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
                                 compute=ray.data.ActorPoolStrategy(size=1), batch_size=batch_size, num_cpus=0.05)
         else:
             ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, compute=ray.data.ActorPoolStrategy(size=replicas),
-                                batch_size=batch_size, num_cpus=engine_cpus * engine.tensor_parallel_size,
-                                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+                                batch_size=batch_size, num_cpus=engine_cpus * engine.tensor_parallel_size)
         with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_size=None):
                 bar.update(len(batch["line"]))

@@ -59,6 +59,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         scheduler=args.scheduler,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     print_table(report)
     return _write_json(args.json, report)
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="KV cache dtype of the real model (auto: the weights' float32)")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    b.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="per-step token budget (chunked prefill); default 512, or 8192 with --sim")
     b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
     b.add_argument("--scheduler", choices=("fcfs", "offline", "online"),
                    help="override the scheduler (default: fcfs for reserve_max/paged, offline for the others)")
@@ -243,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _env()
     args = build_parser().parse_args(argv)
-    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows", "users"):
+    for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows", "users",
+                 "max_num_batched_tokens"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2

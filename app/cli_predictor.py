@@ -37,7 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from predictor.dataset import examples_hash, read_eval_file, selection_examples
-    from predictor.pipeline import load_predictor
+    from predictor.loading import load_predictor
     from predictor.train import evaluate
 
     examples = read_eval_file(Path(args.data)) if args.data else selection_examples()

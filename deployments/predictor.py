@@ -40,7 +40,7 @@ class LengthPredictorServer:
             self._poller.start()
 
     def _load(self):
-        from predictor.pipeline import load_predictor_or_max
+        from predictor.loading import load_predictor_or_max
 
         predictor = load_predictor_or_max(self.config.source)
         if self.config.bound_quantile is not None and hasattr(predictor, "bound_quantile"):

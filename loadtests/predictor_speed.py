@@ -24,7 +24,7 @@ def run(version: str = "champion", num_prompts: int = 256, threads: int | None =
     import torch
 
     from predictor.dataset import trace_examples
-    from predictor.pipeline import load_predictor
+    from predictor.loading import load_predictor
 
     if threads:
         torch.set_num_threads(threads)

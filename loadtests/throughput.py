@@ -56,10 +56,10 @@ def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBucke
         name, q = name.rsplit(":", 1)
         bound_quantile = float(q)
     if name == "oracle":
-        return OraclePredictor({r.user: r.output_tokens for r in requests}, buckets)
+        return OraclePredictor([(r.user, r.output_tokens) for r in requests], buckets)
     if name == "max":
         return MaxPredictor(buckets)
-    from predictor.pipeline import load_predictor  # the learned predictor (MLflow registry)
+    from predictor.loading import load_predictor  # the learned predictor (MLflow registry)
 
     return load_predictor(name, buckets, bound_quantile=bound_quantile)
 
@@ -189,7 +189,7 @@ def run_benchmark(
     repeats: int = 1,
     scheduler: str | None = None,
     block_size_tokens: int = 16,
-    max_num_batched_tokens: int = 512,
+    max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
 ) -> dict:
     base = EngineConfig(
@@ -199,7 +199,9 @@ def run_benchmark(
         default_max_tokens=max_tokens,
         max_model_len_tokens=max_tokens + 1024,
         max_num_seqs=1024 if sim else 256,
-        max_num_batched_tokens=max_num_batched_tokens if not sim else 8192,
+        # NOTE: default 512 on this CPU (a step's cost grows with its tokens from ~16 on), 8192 on a
+        # simulated GPU (steps stay memory-bound up to ~200-300 tokens there)
+        max_num_batched_tokens=(8192 if sim else 512) if max_num_batched_tokens is None else max_num_batched_tokens,
         tensor_parallel_size=tp,
     )
     runner, num_blocks, tokenizer = build_runner(base, sim, tp)

@@ -26,7 +26,7 @@ def collect_feedback(
     its feedback record. Returns counts and throughput."""
     from app.prepare.traces import load_trace
     from predictor.feedback import FeedbackWriter
-    from predictor.pipeline import load_predictor_or_max
+    from predictor.loading import load_predictor_or_max
 
     records = load_trace(split)[offset : offset + num_prompts]
     if not records:

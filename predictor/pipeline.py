@@ -1,5 +1,5 @@
-"""Train → log → register → gate → promote, and loading what serves. The CLI and the retraining
-loop are thin layers over these functions."""
+"""Train → log → register → gate → promote. The CLI and the retraining loop are thin layers over
+these functions; loading what serves is ``predictor/loading.py`` (re-exported here)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import time
 from pathlib import Path
 
 from predictor import registry
-from predictor.base import LengthPredictor, MaxPredictor
-from predictor.buckets import LengthBuckets
 from predictor.dataset import Example, examples_hash, selection_examples, trace_examples
-from predictor.learned import LearnedPredictor
+from predictor.loading import load_predictor, load_predictor_or_max  # noqa: F401 - re-exported
 from predictor.metrics import METRICS
 from predictor.model import LengthModel, ModelSpec
 from predictor.train import TrainConfig, evaluate, train_model
@@ -23,31 +21,6 @@ logger = logging.getLogger(__name__)
 # `foreserve predictor train` with the defaults is the fuller run, promoted through the gate.
 QUICK_TRAIN = TrainConfig(epochs=1, max_train_examples=4000)
 QUICK_SPEC = ModelSpec(max_input_tokens=256)
-
-
-def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, **kwargs) -> LengthPredictor:
-    """``champion`` (the MLflow alias), a registry version number, a local model directory or
-    ``max``. Raises ``registry.RegistryError``/``ValueError`` with a clear message."""
-    if name == "max":
-        return MaxPredictor(buckets)
-    if Path(name).is_dir():
-        return LearnedPredictor.from_dir(Path(name), version=f"dir:{name}", **kwargs)
-    name = str(name)
-    if name != "champion" and not name.isdigit():
-        raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
-    directory, version = registry.download_version(None if name == "champion" else name)
-    return LearnedPredictor.from_dir(directory, version=version, **kwargs)
-
-
-def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None) -> LengthPredictor:
-    """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
-    try:
-        return load_predictor(name, buckets)
-    except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
-        logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
-        predictor = MaxPredictor(buckets)
-        predictor.version = "max-fallback"
-        return predictor
 
 
 def _metrics_only(metrics: dict) -> dict[str, float]:

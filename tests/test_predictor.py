@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from predictor.base import LengthPrediction, LengthPredictor
+from predictor.base import LengthPrediction, LengthPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
 from predictor.dataset import Example, feedback_examples, read_eval_file
 from predictor.feedback import FeedbackRecord, read_feedback
@@ -34,6 +34,17 @@ def test_bucket_edges(tokens, bucket):
 
 def test_upper_bounds_are_integers_covering_the_range():
     assert [B.upper_bound_tokens(b) for b in range(10)] == [102, 204, 307, 409, 512, 614, 716, 819, 921, 1024]
+
+
+def test_oracle_gives_a_repeated_prompt_each_of_its_lengths_in_order():
+    # ShareGPT repeats prompts with other answers: keyed by text alone, all but one got a wrong bucket
+    oracle = OraclePredictor([("hi", 50), ("bye", 300), ("hi", 900)], B)
+    assert oracle.predict(["hi", "bye", "hi"]).bound_tokens == [102, 307, 921]
+    assert oracle.predict(["hi"]).bound_tokens == [102]  # every call starts again from the first
+    assert oracle.predict(["hi", "hi", "hi"]).buckets == [0, 8, 8]  # past the recorded ones: the last
+    assert OraclePredictor({"a": 1024}, B).predict(["a"]).buckets == [9]
+    with pytest.raises(KeyError, match="no true length for 1 prompt"):
+        oracle.predict(["unknown"])
 
 
 def test_decode_bound_follows_the_quantile():

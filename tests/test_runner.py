@@ -177,7 +177,11 @@ def test_decode_groups_cover_sorted_rows_in_equal_slices():
 @pytest.mark.model
 def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, reference):
     """kv_cache_dtype bfloat16 under float32 weights: half the KV bytes per token; greedy answers
-    (mixed prefill and decode) stay those of generate on these prompts."""
+    (mixed prefill and decode) start as those of float32 generate on these prompts.
+
+    NOTE: a bf16 cache is lossy, so a near-tie between two tokens may flip late in an answer, and
+    where depends on the CPU's kernels: on an AVX512-BF16 machine one of the three answers
+    turned at its 21st token of 24. The first 16 tokens of every answer must agree."""
     from transformers import AutoConfig
 
     from app.engine.runner import HFRunner
@@ -190,7 +194,9 @@ def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, ref
     seqs = [Seq("b", prompts[1], GREEDY), Seq("c", prompts[2], GREEDY, chunk_tokens=13),
             Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3)]
     out = play_engine(r, seqs)
-    assert [out["a"], out["b"], out["c"]] == reference
+    answers = [out["a"], out["b"], out["c"]]
+    assert [len(a) for a in answers] == [len(a) for a in reference]
+    assert [a[:16] for a in answers] == [a[:16] for a in reference]
 
 
 @pytest.mark.model

@@ -1,0 +1,44 @@
+"""Loading the predictor that serves: a registry version, the champion, a local directory or ``max``.
+
+Kept apart from ``pipeline.py`` (training, evaluation, promotion) so that what only serves never
+imports the training stack: a batch job's predictor actor and the Serve predictor start faster.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from predictor.base import LengthPredictor, MaxPredictor
+from predictor.buckets import LengthBuckets
+
+logger = logging.getLogger(__name__)
+
+
+def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, **kwargs) -> LengthPredictor:
+    """``champion`` (the MLflow alias), a registry version number, a local model directory or
+    ``max``. Raises ``registry.RegistryError``/``ValueError`` with a clear message."""
+    from predictor.learned import LearnedPredictor
+
+    if name == "max":
+        return MaxPredictor(buckets)
+    if Path(name).is_dir():
+        return LearnedPredictor.from_dir(Path(name), version=f"dir:{name}", **kwargs)
+    name = str(name)
+    if name != "champion" and not name.isdigit():
+        raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
+    from predictor import registry  # NOTE: imports MLflow; only a registry lookup needs it
+
+    directory, version = registry.download_version(None if name == "champion" else name)
+    return LearnedPredictor.from_dir(directory, version=version, **kwargs)
+
+
+def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None) -> LengthPredictor:
+    """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
+    try:
+        return load_predictor(name, buckets)
+    except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
+        logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
+        predictor = MaxPredictor(buckets)
+        predictor.version = "max-fallback"
+        return predictor
