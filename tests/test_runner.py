@@ -267,6 +267,43 @@ def test_linear_fast_path_equals_module(rows, bias):
     torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_module(rows, bias):
+    from app.engine.runner import linear, prepack
+
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(96, 320, bias=bias)
+    packed = prepack(module)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert packed is not None
+    x = torch.randn(rows, 96)
+    out = linear(module, x, packed)
+    assert out.shape == (rows, 320) and out.is_contiguous()
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_leaves_what_it_cannot_pack():
+    from app.engine.runner import prepack
+
+    class Scaled(torch.nn.Linear):  # a TP layer's subclass keeps its own forward
+        pass
+
+    assert prepack(Scaled(8, 4)) is None
+    assert prepack(torch.nn.Linear(8, 4).to(torch.bfloat16)) is None
+    assert prepack(torch.nn.LayerNorm(8)) is None
+
+
+@pytest.mark.model
+def test_runner_prepacks_every_linear_unless_told_not_to(runner):
+    from app.engine.runner import HFRunner
+
+    assert len(runner.packed) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
+    plain = HFRunner(EngineConfig(kv_cache_tokens=64, block_size_tokens=BLOCK, cpu_prepacked_linears=False), 4)
+    assert plain.packed == {}
+
+
 def test_linear_leaves_other_modules_to_their_forward():
     from app.engine.runner import linear
 
