@@ -43,8 +43,8 @@ def prepack(module: torch.nn.Module) -> torch.Tensor | None:
     missing or its product disagrees with ``F.linear`` (checked once, on a random input).
 
     NOTE: the blocked layout streams the weights at full memory bandwidth for any row count; MKL's
-    sgemm on the plain layout does so only for 1-4 rows. All linears of SmolLM2-135M, 30 layers,
-    measured here (ms): 1 row 8.6 vs 24.5, 8 rows 11.8 vs 26.3, 12 rows 13.3 vs 43.3, 64 rows 37 vs
+    sgemm on the plain layout does so only for 2-4 rows. All linears of SmolLM2-135M, 30 layers,
+    measured here against the previous path (ms): 1 row 8.6 vs 24.5, 8 rows 11.8 vs 26.3, 12 rows 13.3 vs 43.3, 64 rows 37 vs
     87, 512 rows 215 vs 494. These ops (``torch.ops.mkldnn``) are what torch.compile's freezing pass
     emits for the same linears; torch is pinned, and a failure falls back to the plain path."""
     w = getattr(module, "weight", None)
