@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from predictor.buckets import LengthBuckets
+from predictor.encoder import BertEncoder, EncoderConfig, WordPieceTokenizer
 
 WEIGHTS = "model.safetensors"
 META = "predictor.json"
@@ -84,7 +85,7 @@ class LengthModel(nn.Module):
         self.score_head = nn.Linear(hidden, 1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
         pooled = self.dropout(pooled)
@@ -94,12 +95,8 @@ class LengthModel(nn.Module):
     @classmethod
     def from_backbone(cls, spec: ModelSpec, path: Path | None = None) -> tuple["LengthModel", object]:
         """A fresh model on the pretrained encoder (heads initialised from ``torch``'s seed)."""
-        from transformers import AutoModel, AutoTokenizer
-
         path = path or backbone_path()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        encoder = AutoModel.from_pretrained(path)
-        return cls(encoder, spec), tokenizer
+        return cls(BertEncoder.from_pretrained(path), spec), WordPieceTokenizer(path)
 
     def save(self, directory: Path, tokenizer) -> Path:
         directory = Path(directory)
@@ -114,18 +111,17 @@ class LengthModel(nn.Module):
     @classmethod
     def load(cls, directory: Path) -> tuple["LengthModel", object]:
         """Rebuild a saved model; raises ``ValueError`` naming what is missing or broken."""
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
-
         directory = Path(directory)
         missing = [n for n in (WEIGHTS, META, "config.json") if not (directory / n).is_file()]
         if missing:
             raise ValueError(f"{directory} is not a saved length predictor: missing {', '.join(missing)}")
         try:
             spec = ModelSpec.model_validate(json.loads((directory / META).read_text()))
-            encoder = AutoModel.from_config(AutoConfig.from_pretrained(directory))
-            model = cls(encoder, spec)
-            model.load_state_dict(load_file(str(directory / WEIGHTS)))
-            tokenizer = AutoTokenizer.from_pretrained(directory)
+            with torch.device("meta"):  # NOTE: no random init of weights about to be replaced
+                model = cls(BertEncoder(EncoderConfig.from_pretrained(directory)), spec)
+            state = {k: v for k, v in load_file(str(directory / WEIGHTS)).items() if not k.endswith("position_ids")}
+            model.load_state_dict(state, strict=True, assign=True)
+            tokenizer = WordPieceTokenizer(directory)
         except Exception as exc:  # noqa: BLE001 - any corruption becomes one clear error
             raise ValueError(f"cannot load the length predictor in {directory}: {exc}") from exc
         model.eval()
@@ -137,7 +133,7 @@ def encode_prompts(tokenizer, texts: list[str], spec: ModelSpec) -> list[list[in
     comes last, the instruction first)."""
     room = spec.max_input_tokens - 2
     head = min(spec.head_tokens, room)
-    ids = tokenizer(list(texts), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+    ids = tokenizer.encode_batch(list(texts))
     out = []
     for tokens in ids:
         if len(tokens) > room:

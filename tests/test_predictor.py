@@ -71,9 +71,9 @@ def test_metrics_on_known_arrays():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
+    from predictor.encoder import WordPieceTokenizer
 
-    return AutoTokenizer.from_pretrained(backbone_path())
+    return WordPieceTokenizer(backbone_path())
 
 
 def test_long_prompts_keep_head_and_tail(tokenizer):
