@@ -84,6 +84,27 @@ def test_async_stream_text_matches_tokens_and_stop_string(engine_parts):
     assert outs[-1].finish_reason == "stopped"
 
 
+def test_final_only_text_equals_the_streamed_text(engine_parts):
+    """``stream_text=False`` (batch rows): no text until the request finishes, then all of it,
+    the same as the deltas a streaming client joins, through preemption and recompute."""
+    config, runner, prompts, _ = engine_parts
+    sampling = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    texts: dict[str, list[str]] = {}
+    engine = LLMEngine(config, runner, config.kv_pool_blocks(1), tokenizer=runner.tokenizer)
+    for i, p in enumerate(prompts):  # 160 KV tokens for six sequences: preemptions happen
+        for stream in (True, False):
+            engine.add_request(prompt=p, sampling=sampling, request_id=f"{i}-{stream}", prediction=(0, None, 2),
+                               stream_text=stream)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.finished or out.text_delta == "" or out.request_id.endswith("True")
+            texts.setdefault(out.request_id, []).append(out.text_delta)
+    assert engine.stats().preemptions > 0
+    for i in range(len(prompts)):
+        final = texts[f"{i}-False"]
+        assert final[:-1] == [""] * (NEW - 1) and final[-1] == "".join(texts[f"{i}-True"]) != ""
+
+
 def test_an_answer_resumed_from_its_tokens_goes_on_exactly(engine_parts):
     """What the ingress does when a replica is lost mid-answer: another engine gets the prompt plus the
     tokens so far, recomputes them and continues: the same greedy tokens, the text the client has not

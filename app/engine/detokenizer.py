@@ -56,3 +56,20 @@ class Detokenizer:
         delta = self.text[self._emitted : upto]
         self._emitted = upto
         return delta
+
+
+class FinalText:
+    """The text of a request whose caller wants only the finished answer (a batch row): no
+    per-token decoding, one decode of every output token at the end. Same interface as
+    ``Detokenizer``; without stop strings to watch for (those need the incremental text)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_ids: list[int] = []
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        self._token_ids = token_ids
+        return "", False
+
+    def finish(self) -> str:
+        return self.tokenizer.decode(self._token_ids, skip_special_tokens=True)

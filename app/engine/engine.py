@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.allocation import make_policy
-from app.engine.detokenizer import Detokenizer
+from app.engine.detokenizer import Detokenizer, FinalText
 from app.engine.kv_pool import KVPool
 from app.engine.request import Request, RequestOutput, RequestStatus, Runner, SamplingParams
 from app.engine.scheduler import make_scheduler
@@ -72,7 +72,7 @@ class LLMEngine:
         self._sim_clock_s = 0.0
         self._t0 = time.perf_counter()
         self.scheduler = make_scheduler(config.scheduler, config, self.policy, self.clock)
-        self._detok: dict[str, Detokenizer] = {}
+        self._detok: dict[str, Detokenizer | FinalText] = {}
         self.forward_s = 0.0
         self.output_tokens = 0
         self._trace = _open_step_trace(config)
@@ -126,6 +126,7 @@ class LLMEngine:
         true_output_tokens: int | None = None,
         force_true_length: bool = False,
         detokenize: bool = True,
+        stream_text: bool = True,
         predictor_text: str | None = None,
         predictor_version: str | None = None,
         output_token_ids: list[int] | None = None,
@@ -138,7 +139,11 @@ class LLMEngine:
 
         ``output_token_ids`` resumes an answer another replica started (and lost): they count as
         generated (max_tokens, stop strings, feedback), are recomputed like a preempted sequence's,
-        and only the text after the first ``emitted_chars`` characters is streamed."""
+        and only the text after the first ``emitted_chars`` characters is streamed.
+
+        ``stream_text=False`` (vLLM's final-only output): the text comes whole in the finished
+        output, decoded once, instead of a delta per token (a batch row saves the per-step decoding;
+        with stop strings the text is still followed token by token)."""
         sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
         if prompt_token_ids is None:
             if prompt is None or self.tokenizer is None:
@@ -179,7 +184,9 @@ class LLMEngine:
         self.scheduler.add(req)
         if self.feedback is not None and predictor_text is not None:
             self._feedback_info[req.request_id] = (predictor_text, predictor_version)
-        if detokenize and self.tokenizer is not None:
+        if detokenize and self.tokenizer is not None and not stream_text and not sampling.stop and not emitted_chars:
+            self._detok[req.request_id] = FinalText(self.tokenizer)
+        elif detokenize and self.tokenizer is not None:
             self._detok[req.request_id] = Detokenizer(self.tokenizer, sampling.stop)
             if req.output_token_ids:
                 self._detok[req.request_id].resume(req.output_token_ids, emitted_chars)
