@@ -1,15 +1,16 @@
-"""The offline batch job on Ray Data: predict every row's output length, order rows by it, generate on
-engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving uses), and write
-OpenAI batch output lines exactly once (``app/batch_io.py``).
+"""The offline batch job: predict every row's output length on Ray Data, order rows by it,
+generate on engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving
+uses), and write OpenAI batch output lines exactly once (``app/batch_io.py``).
 
-Pipeline: input rows → ``PredictStage`` (actor, batched MiniLM) → sorted by predicted bound when
-the job is larger than one round of engine batches (S3: similar lengths travel together) →
-``EngineStage`` (an actor pool, one ``LLMEngine`` each; a batch is
-admitted at once so the scheduler packs it by predicted length). Each finished row is appended to the
-actor's own part file as soon as it finishes. An actor killed mid-batch is restarted and its batch
-retried: the retry skips rows a part already answers (and should one be answered twice anyway,
-``finalize`` keeps the first answer). A job that
-is stopped and run again with the same output directory skips every line a part already answers.
+Pipeline: the engine actors start loading → input rows through ``PredictStage`` (Ray Data
+``map_batches`` over an actor, batched MiniLM; the predictor version is pinned once for the job) →
+``plan_batches`` (sorted by predicted bound; S3: similar lengths travel together) →
+``EngineStage`` actors (one ``LLMEngine`` each; a batch is admitted at once so the scheduler packs
+it by predicted length), each taking the next batch when it finishes one. Each finished row is
+appended to the actor's own part file as soon as it finishes. An actor killed mid-batch is
+restarted by Ray and its batch retried: the retry skips rows a part already answers (and should one
+be answered twice anyway, ``finalize`` keeps the first answer). A job that is stopped and run again
+with the same output directory skips every line a part already answers.
 
 ``python -m app.batch INPUT --output DIR`` is the Ray Job's entrypoint (``foreserve batch submit``).
 """
@@ -29,18 +30,22 @@ from app.batch_io import InputRow, ResultRow, ResultStore, error_row, ok_row, re
 from app.config import EngineConfig, load_pool_config
 
 STATUS_FILE = "status.json"
+WORKER_NICENESS = 15  # Ray's default for worker processes
 
 
 class PredictStage:
-    """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns."""
+    """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns.
 
-    def __init__(self, source: str = "champion", threads: int = 1) -> None:
+    ``source``/``version``: the predictor the driver resolved once for the whole job
+    (``predictor.loading.resolve_predictor``), so every row and every restarted actor uses one version."""
+
+    def __init__(self, source: str, version: str, threads: int = 1) -> None:
         t0 = time.perf_counter()
         from app.engine.runner import on_short_lived_thread
         from predictor.loading import load_predictor_or_max
 
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
-        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source))
+        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
         self.threads = threads
         print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -68,16 +73,16 @@ def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, 
                           choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
 
 
-def _rows(batch: dict, skip: set[int]):
-    """(row, bucket, bound, predictor text, predictor version) for every row of a predicted batch
+def _rows(batch: list[dict], skip: set[int]):
+    """(row, bucket, bound, predictor text, predictor version) for every predicted row of a batch
     that is not in ``skip`` (lines some part already answers: a retried batch after a crash)."""
     from app.api.schemas import ChatCompletionRequest
 
-    for i, line in enumerate(batch["line"]):
-        if int(line) in skip:
+    for item in batch:
+        if int(item["line"]) in skip:
             continue
-        row = InputRow(int(line), str(batch["custom_id"][i]), ChatCompletionRequest.model_validate_json(batch["request"][i]))
-        yield row, int(batch["bucket"][i]), int(batch["bound_tokens"][i]), str(batch["text"][i]), str(batch["predictor_version"][i])
+        row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
+        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"])
 
 
 def _sampling(body, max_tokens: int):
@@ -88,8 +93,8 @@ def _sampling(body, max_tokens: int):
 
 
 class EngineStage:
-    """Ray Data actor: runs a batch of rows through its own ``LLMEngine``; each row's result is on
-    disk before the batch returns."""
+    """Engine actor: runs batches of predicted rows through its own ``LLMEngine``; each row's
+    result is on disk as soon as it finishes, all of them before ``run`` returns."""
 
     def __init__(self, engine: dict, out_dir: str) -> None:
         t0 = time.perf_counter()
@@ -102,7 +107,11 @@ class EngineStage:
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
 
-    def __call__(self, batch: dict) -> dict:
+    def ready(self) -> int:
+        return self.engine.pool.capacity_tokens
+
+    def run(self, batch: list[dict]) -> int:
+        """Generate every row of ``batch`` not answered yet; returns the number of rows in it."""
         from app.api.prompt import chat_prompt
 
         config, rows = self.config, {}
@@ -111,7 +120,7 @@ class EngineStage:
                 ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
                                               config.default_max_tokens)
                 req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
-                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text,
+                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
                                               predictor_version=version)
             except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
                 row.error = f"line {row.line}: {exc}"
@@ -126,14 +135,14 @@ class EngineStage:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
                                            out.num_output_tokens, out.finish_reason)
                     self.results.append(ok_row(row, body, bound))
-        return {"line": batch["line"]}  # NOTE: progress only; the results are in the part files
+        return len(batch)  # NOTE: progress only; the results are in the part files
 
 
 SERVE_ATTEMPTS = 3  # a row whose offline replica goes away under it is sent again this many times in all
 
 
 class ServeStage:
-    """Ray Data actor: sends every row of a batch to a running foreserve app's offline pool (whose
+    """Actor that sends every row of a batch to a running foreserve app's offline pool (whose
     replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
 
     def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
@@ -184,7 +193,10 @@ class ServeStage:
                                last["completion_tokens"], last["finish_reason"])
         return ok_row(row, body, bound)
 
-    def __call__(self, batch: dict) -> dict:
+    def ready(self) -> int:
+        return 0
+
+    def run(self, batch: list[dict]) -> int:
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from deployments.pool_gate import wait_until_up
@@ -195,7 +207,7 @@ class ServeStage:
         with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
             for future in as_completed([pool.submit(self._one, *args) for args in rows]):
                 self.results.append(future.result())
-        return {"line": batch["line"]}
+        return len(batch)
 
 
 def running_app(app_name: str = "foreserve") -> bool:
@@ -235,6 +247,73 @@ def read_status(out_dir: str | Path) -> dict:
     return status
 
 
+def predict(todo: list[InputRow], predictor: str, threads: int) -> list[dict]:
+    """Every row with its predicted bucket and bound: Ray Data ``map_batches`` over a predictor
+    actor, with the predictor resolved once here (one version for the whole job)."""
+    import ray
+
+    from predictor.loading import resolve_predictor
+
+    source, version = resolve_predictor(predictor)
+    ctx = ray.data.DataContext.get_current()
+    # NOTE: on a small node the driver's own work competes with the engines for cores; the job
+    # has its own progress (tqdm, status.json)
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
+    items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
+              "text": r.request.predictor_text()} for r in todo]
+    # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
+    # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
+    ds = ray.data.from_items(items).map_batches(
+        PredictStage, fn_constructor_kwargs={"source": source, "version": version, "threads": threads},
+        compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
+    return ds.take_all()
+
+
+def plan_batches(rows: list[dict], batch_size: int, engines: int) -> list[list[dict]]:
+    """Predicted rows cut into engine batches, in the order they should run.
+
+    More rows than one round of engine batches: sorted by predicted bound and cut into
+    ``batch_size`` slices (S3: similar lengths travel together, so each batch finishes evenly; the
+    offline scheduler packs within one). One round: dealt out in bound order, one batch per
+    engine, so every engine gets a like mix and they finish together."""
+    rows = sorted(rows, key=lambda r: r["bound_tokens"])
+    if len(rows) > batch_size * engines:
+        return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    return [batch for batch in (rows[i::engines] for i in range(engines)) if batch]
+
+
+def start_workers(backend: str, count: int, engine: EngineConfig, out_dir: Path, engine_cpus: float, app_name: str) -> list:
+    """The job's generation actors: ``EngineStage`` (an engine each) or one ``ServeStage``.
+
+    Plain Ray actors, restarted when they die with their running batch retried (``run`` skips the
+    rows a part already answers). Not a Ray Data stage: once the rows are predicted, nothing of
+    Ray Data's executor polls beside the engines."""
+    import ray
+
+    stage = {"engine": engine.model_dump(mode="json"), "out_dir": str(out_dir)}
+    if backend == "serve":
+        actor = ray.remote(ServeStage).options(num_cpus=0.05, max_restarts=-1, max_task_retries=-1)
+        return [actor.remote(**stage, app_name=app_name)]
+    actor = ray.remote(EngineStage).options(num_cpus=engine_cpus * engine.tensor_parallel_size,
+                                            max_restarts=-1, max_task_retries=-1)
+    return [actor.remote(**stage) for _ in range(count)]
+
+
+def generate(workers: list, batches: list[list[dict]], on_done) -> None:
+    """Each worker takes the next batch as soon as it finishes one; ``on_done(rows)`` per batch."""
+    import ray
+
+    queue = list(reversed(batches))
+    running = {w.run.remote(queue.pop()): w for w in workers if queue}
+    while running:
+        (ref,), _ = ray.wait(list(running), num_returns=1)
+        worker = running.pop(ref)
+        on_done(ray.get(ref))
+        if queue:
+            running[worker.run.remote(queue.pop())] = worker
+
+
 def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batch_size: int = 256,
             engine_overrides: dict | None = None, predictor: str = "champion", engine_cpus: float = 1.0,
             backend: str = "auto", app_name: str = "foreserve", progress: bool = True) -> dict:
@@ -263,45 +342,20 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
                  errors=sum(r.error is not None for r in rows), started_at=time.time(), finished_at=None,
                  resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
     t0 = time.perf_counter()
-    ctx = ray.data.DataContext.get_current()
-    # NOTE: on a small node the driver's own work competes with the engine for cores; the job
-    # has its own progress (tqdm, status.json)
-    ctx.enable_progress_bars = False
-    ctx.execution_options.verbose_progress = False
     if todo:
-        items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
-                  "text": r.request.predictor_text()} for r in todo]
-        threads = engine.torch_threads or max(1, int(engine_cpus))
-        # NOTE: an engine batch starts once its rows are predicted (all rows, when they are sorted),
-        # so the predictor may use an engine's threads; beside a Serve app it keeps to one and
-        # leaves the cores to the online pool
-        predict_threads = 1 if backend == "serve" else threads
-        # NOTE: no runtime_env on the stages (an actor with one of its own needs a worker started for
-        # it: ~1 s more on the job's critical path here). Ray sets an actor's OMP_NUM_THREADS to its
-        # CPUs, which is the engine's ``threads``; the predictor sets its own in its stage.
-        ds = ray.data.from_items(items).map_batches(
-            PredictStage, fn_constructor_kwargs={"source": predictor, "threads": predict_threads},
-            compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
         engines = 1 if backend == "serve" else replicas
-        if len(todo) > batch_size * engines:
-            # S3: with more rows than the engines take at once, similar predicted lengths travel
-            # together so each engine batch finishes evenly (the offline scheduler packs within one).
-            # NOTE: sorted here, not with Dataset.sort: the rows are small and already in this
-            # driver, and sort's 1-CPU tasks cannot be scheduled beside a Serve app on a small node.
-            # A job that fits in one round streams instead: the engine actors start while the
-            # predictor runs.
-            ds = ray.data.from_items(sorted(ds.take_all(), key=lambda r: r["bound_tokens"]))
-        stage = {"engine": engine.model_dump(mode="json"), "out_dir": str(out_dir)}
-        # NOTE: Ray Data restarts a dead actor and retries its batch by default (max_restarts=-1)
-        if backend == "serve":
-            ds = ds.map_batches(ServeStage, fn_constructor_kwargs={**stage, "app_name": app_name},
-                                compute=ray.data.ActorPoolStrategy(size=1), batch_size=batch_size, num_cpus=0.05)
-        else:
-            ds = ds.map_batches(EngineStage, fn_constructor_kwargs=stage, compute=ray.data.ActorPoolStrategy(size=replicas),
-                                batch_size=batch_size, num_cpus=engine_cpus * engine.tensor_parallel_size)
-        with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
-            for batch in ds.iter_batches(batch_size=None):
-                bar.update(len(batch["line"]))
+        # NOTE: the engine actors load while the rows are predicted
+        workers = start_workers(backend, engines, engine, out_dir, engine_cpus, app_name)
+        try:
+            # NOTE: one thread: the prediction runs while the engines load (a 2-thread predictor
+            # beside a loading engine oversubscribed this 2-core machine: the engine's first step
+            # came later); beside a Serve app it leaves the cores to the online pool
+            predicted = predict(todo, predictor, 1)
+            with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
+                generate(workers, plan_batches(predicted, batch_size, engines), bar.update)
+        finally:
+            for worker in workers:
+                ray.kill(worker)
     wall_s = time.perf_counter() - t0
     final = store.answered()
     results = store.finalize({r.line for r in rows}, final)
@@ -347,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
+    # NOTE: Ray runs its workers (the engines) at niceness 15 and a job's driver at 0, so the
+    # driver's own start-up (Ray Data, the registry lookup) preempted the engine actors' loading
+    # outright on a small node. The driver only coordinates: it takes the workers' priority.
+    os.nice(max(0, WORKER_NICENESS - os.nice(0)))
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     try:
         overrides = {"tensor_parallel_size": args.tp, **json.loads(args.engine)}

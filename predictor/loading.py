@@ -15,15 +15,17 @@ from predictor.buckets import LengthBuckets
 logger = logging.getLogger(__name__)
 
 
-def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, **kwargs) -> LengthPredictor:
-    """``champion`` (the MLflow alias), a registry version number, a local model directory or
-    ``max``. Raises ``registry.RegistryError``/``ValueError`` with a clear message."""
+def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, version: str | None = None,
+                   **kwargs) -> LengthPredictor:
+    """``champion`` (the MLflow alias), a registry version number, a local model directory (labelled
+    ``version``, default ``dir:PATH``) or ``max``. Raises ``registry.RegistryError``/``ValueError``
+    with a clear message."""
     from predictor.learned import LearnedPredictor
 
     if name == "max":
         return MaxPredictor(buckets)
     if Path(name).is_dir():
-        return LearnedPredictor.from_dir(Path(name), version=f"dir:{name}", **kwargs)
+        return LearnedPredictor.from_dir(Path(name), version=version or f"dir:{name}", **kwargs)
     name = str(name)
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
@@ -33,10 +35,35 @@ def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None 
     return LearnedPredictor.from_dir(directory, version=version, **kwargs)
 
 
-def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None) -> LengthPredictor:
-    """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
+def resolve_predictor(name: str = "champion") -> tuple[str, str]:
+    """``(what load_predictor takes, version label)`` with registry names pinned to their local
+    copy: a batch job resolves its predictor once, so all its rows and actors use one version and
+    the actors load it without MLflow. A missing or broken champion gives ``("max", "max-fallback")``."""
+    if name == "max":
+        return "max", MaxPredictor.version
+    if Path(name).is_dir():
+        return str(name), f"dir:{name}"
     try:
-        return load_predictor(name, buckets)
+        if name != "champion" and not str(name).isdigit():
+            raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory or max")
+        from predictor import registry
+
+        directory, version = registry.download_version(None if name == "champion" else str(name))
+        return str(directory), version
+    except Exception as exc:  # noqa: BLE001 - a job must run without a predictor, like serving
+        logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
+        return "max", "max-fallback"
+
+
+def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None,
+                          version: str | None = None) -> LengthPredictor:
+    """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
+    if name == "max" and version:
+        predictor = MaxPredictor(buckets)
+        predictor.version = version
+        return predictor
+    try:
+        return load_predictor(name, buckets, version=version)
     except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
         predictor = MaxPredictor(buckets)
