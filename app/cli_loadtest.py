@@ -71,11 +71,12 @@ def cmd_ab(args: argparse.Namespace) -> int:
                     tuple(args.schedulers), args.repeats)
     a, b = result["schedulers"]
     print(f"\n{'rate':>5} | {a + ' E2E ms':>13} {b + ' E2E ms':>13} {'ratio':>6} | {a + ' goodput':>14} "
-          f"{b + ' goodput':>14} {'ratio':>6}")
+          f"{b + ' goodput':>14} {'ratio':>6} | {'tok/s':>11} | {'preemptions':>11}")
     for row in result["by_rate"]:
         print(f"{row['rate']:>5g} | {row[a]['mean_e2e_ms'] or 0:>13.0f} {row[b]['mean_e2e_ms'] or 0:>13.0f} "
               f"{row['mean_e2e_ratio'] or 0:>6.2f} | {row[a]['goodput_rps']:>14.3f} {row[b]['goodput_rps']:>14.3f} "
-              f"{row['goodput_ratio'] or 0:>6.2f}")
+              f"{row['goodput_ratio'] or 0:>6.2f} | {row[a]['output_tokens_per_s']:>5.0f} {row[b]['output_tokens_per_s']:>5.0f} "
+              f"| {row[a]['preemptions']:>5.0f} {row[b]['preemptions']:>5.0f}")
     print(f"wrote {args.report}/ab.json, ab.png and a report per scheduler and rate")
     return 0
 

@@ -116,7 +116,7 @@ class Ingress:
                  for name, handle in self.pools.items()}
         predictor = await ask(self.predictor.info.remote())
         failed = "error" in predictor or any("error" in p for p in pools.values())
-        keys = ("error", "kv_free_tokens", "num_running", "num_waiting")
+        keys = ("error", "kv_free_tokens", "num_running", "num_waiting", "preemptions", "recomputed_tokens")
         return JSONResponse({
             "status": "degraded" if failed else "ok", "model": self.model_id,
             "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,

@@ -70,6 +70,12 @@ def _key(summary: dict, tier: str = "online") -> dict:
             "failures": t["failures"], "requests": t["requests"]}
 
 
+def _preemptions(url: str) -> tuple[int, int]:
+    """The online pool's preemptions and recomputed tokens so far (its engine's counters)."""
+    pool = ((get_json(f"{url}/health") or {}).get("pools") or {}).get("online") or {}
+    return int(pool.get("preemptions") or 0), int(pool.get("recomputed_tokens") or 0)
+
+
 def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, config: Path,
            schedulers: tuple[str, ...] = ("online", "fcfs"), repeats: int = 1) -> dict:
     runs: dict[str, dict[float, list[dict]]] = {s: {r: [] for r in rates} for s in schedulers}
@@ -88,9 +94,12 @@ def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, 
                     run_dir.mkdir(parents=True, exist_ok=True)
                     workload = run_dir / "workload.jsonl"
                     build_workload(run_spec, workload)
+                    before = _preemptions(service.url)
                     summary = _measure(run_spec, service.url, run_dir, workload,
                                        {"scheduler": scheduler, "repeat": rep, "startup_s": round(service.startup_s, 1)}, True)
-                    runs[scheduler][rate].append(_key(summary))
+                    after = _preemptions(service.url)
+                    runs[scheduler][rate].append({**_key(summary), "preemptions": after[0] - before[0],
+                                                  "recomputed_tokens": after[1] - before[1]})
                     print(f"{scheduler:>6} rate {rate:g}: {json.dumps(runs[scheduler][rate][-1])}", flush=True)
             finally:
                 service.stop()

@@ -101,6 +101,7 @@ def test_open_loop_against_the_stub(stub, tmp_path):
     build_workload(spec, workload)
     items = [json.loads(line) for line in workload.read_text().splitlines()]
     assert all(1 <= i["max_tokens"] <= 20 for i in items) and {i["tier"] for i in items} == {"online", "flex"}
+    assert all(i["prompt"].strip() for i in items)  # blank ShareGPT turns would be 400s, not the service's fault
     summary = _measure(spec, stub, tmp_path, workload, {}, plots=True)
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     n = len(records)
