@@ -13,7 +13,7 @@ from pathlib import Path
 
 # Passed to every replica: the same data dir, offline hub, no telemetry, same API keys.
 FORWARDED_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
-                 "MLFLOW_TRACKING_URI", "FORESERVE_API_KEYS")
+                 "MLFLOW_TRACKING_URI", "FORESERVE_API_KEYS", "FORESERVE_STEP_TRACE")
 
 
 def free_port() -> int:

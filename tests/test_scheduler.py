@@ -152,6 +152,24 @@ def test_online_ages_long_request_past_a_stream_of_short_ones():
     assert done_at * 0.01 < 0.5 + 0.1
 
 
+@pytest.mark.parametrize("scheduler", ["online", "fcfs", "offline"])
+def test_running_decodes_are_never_stalled_by_prefill_chunks(scheduler):
+    """Stall-free batching: a new short request's long prompt is chunked into what the decodes
+    leave of the budget; the long answer already decoding gets its token every step."""
+    engine = make_engine("reserve_predicted", scheduler, kv_tokens=1024, max_num_batched_tokens=32)
+    add(engine, "long", 8, 60, predicted=60)
+    while not engine.scheduler.requests["long"].output_token_ids:
+        engine.step()
+    add(engine, "short", 200, 2, predicted=2)  # predicted shortest: first in online's order
+    tokens_before = len(engine.scheduler.requests["long"].output_token_ids)
+    steps = 0
+    while "short" in engine.scheduler.requests:
+        engine.step()
+        steps += 1
+    assert steps >= 200 // 32  # the prompt took several steps of chunks...
+    assert len(engine.scheduler.requests["long"].output_token_ids) == tokens_before + steps  # ...and long decoded in each
+
+
 def test_online_prefers_higher_priority():
     engine = make_engine("reserve_predicted", "online", kv_tokens=32)
     add(engine, "short", 4, 2, predicted=2)

@@ -1,6 +1,6 @@
 """Continuous batching with chunked prefill, shared by every scheduler.
 
-Each step: running sequences first (decodes and unfinished prefill chunks, in the scheduler's
+Each step: running sequences first (decodes, then unfinished prefill chunks, each in the scheduler's
 priority order), then admissions from the waiting queue, all under one per-step token budget.
 Subclasses decide only *order* (`running_key`, `waiting_order`), *who yields* on a full
 pool (the lowest-priority running sequence) and *how much* a step may carry (`step_token_budget`).
@@ -127,7 +127,12 @@ class Scheduler:
         self.policy.on_step()
         self.running.sort(key=self.running_key)
 
-        for req in list(self.running):
+        # NOTE: decodes first, then prefill chunks, each in the scheduler's order (Sarathi-Serve's
+        # stall-free batching): a decode is one token, a prefill chunk can take the whole budget.
+        # Ordered by priority alone, the online scheduler let a short request's prompt chunks
+        # take the step from the long answers already decoding, which stalled them (TPOT up,
+        # tokens/s down). Victims still come from the end of ``running``, by priority.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
