@@ -12,7 +12,8 @@ restarted by Ray and its batch retried: the retry skips rows a part already answ
 be answered twice anyway, ``finalize`` keeps the first answer). A job that is stopped and run again
 with the same output directory skips every line a part already answers.
 
-``python -m app.batch INPUT --output DIR`` is the Ray Job's entrypoint (``foreserve batch submit``).
+The actors are in ``app/batch_stages.py``. ``python -m app.batch INPUT --output DIR`` is the Ray
+Job's entrypoint (``foreserve batch submit``).
 """
 
 from __future__ import annotations
@@ -22,206 +23,14 @@ import json
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 
-from app.api.errors import APIError
-from app.batch_io import InputRow, ResultRow, ResultStore, error_row, ok_row, read_input, write_json
+from app.batch_io import InputRow, ResultStore, error_row, read_input, write_json
+from app.batch_stages import EngineStage, PredictStage, ServeStage, running_app
 from app.config import EngineConfig, load_pool_config
 
 STATUS_FILE = "status.json"
 WORKER_NICENESS = 15  # Ray's default for worker processes
-
-
-class PredictStage:
-    """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns.
-
-    ``source``/``version``: the predictor the driver resolved once for the whole job
-    (``predictor.loading.resolve_predictor``), so every row and every restarted actor uses one version."""
-
-    def __init__(self, source: str, version: str, threads: int = 1) -> None:
-        t0 = time.perf_counter()
-        from app.engine.runner import on_short_lived_thread
-        from predictor.loading import load_predictor_or_max
-
-        # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
-        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
-        self.threads = threads
-        print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    def __call__(self, batch: dict) -> dict:
-        import torch
-
-        t0 = time.perf_counter()
-        torch.set_num_threads(self.threads)  # NOTE: per calling thread (OpenMP), like the runner's
-        pred = self.predictor.predict(list(batch["text"]))
-        print(f"predicted {len(pred.buckets)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
-        batch["bucket"] = list(pred.buckets)
-        batch["bound_tokens"] = list(pred.bound_tokens)
-        batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
-        return batch
-
-
-def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, output_tokens: int,
-                    finish_reason: str | None) -> dict:
-    """A finished answer as an OpenAI chat completion (with usage)."""
-    from app.api.schemas import ChatCompletion, Choice, ResponseMessage, Usage
-
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens, total_tokens=prompt_tokens + output_tokens)
-    reason = "length" if finish_reason == "length" else "stop"
-    return ChatCompletion(id=request_id, model=model, usage=usage, service_tier="flex",
-                          choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
-
-
-def _rows(batch: list[dict], skip: set[int]):
-    """(row, bucket, bound, predictor text, predictor version) for every predicted row of a batch
-    that is not in ``skip`` (lines some part already answers: a retried batch after a crash)."""
-    from app.api.schemas import ChatCompletionRequest
-
-    for item in batch:
-        if int(item["line"]) in skip:
-            continue
-        row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
-        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"])
-
-
-def _sampling(body, max_tokens: int):
-    from app.engine.request import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stop_list, ignore_eos=body.ignore_eos)
-
-
-class EngineStage:
-    """Engine actor: runs batches of predicted rows through its own ``LLMEngine``; each row's
-    result is on disk as soon as it finishes, all of them before ``run`` returns."""
-
-    def __init__(self, engine: dict, out_dir: str) -> None:
-        t0 = time.perf_counter()
-        from app.engine.engine import LLMEngine
-        from predictor.feedback import FeedbackWriter
-
-        self.config = EngineConfig.model_validate(engine)
-        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
-        print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
-        self.store = ResultStore(out_dir)
-        self.results = self.store.writer()
-
-    def ready(self) -> int:
-        return self.engine.pool.capacity_tokens
-
-    def run(self, batch: list[dict]) -> int:
-        """Generate every row of ``batch`` not answered yet; returns the number of rows in it."""
-        from app.api.prompt import chat_prompt
-
-        config, rows = self.config, {}
-        for row, bucket, bound, text, version in _rows(batch, self.store.done_lines()):
-            try:
-                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
-                                              config.default_max_tokens)
-                req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
-                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
-                                              predictor_version=version)
-            except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
-                row.error = f"line {row.line}: {exc}"
-                self.results.append(error_row(row))
-                continue
-            rows[req.request_id] = (row, bound, [])
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                row, bound, texts = rows[out.request_id]
-                texts.append(out.text_delta)
-                if out.finished:
-                    body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
-                                           out.num_output_tokens, out.finish_reason)
-                    self.results.append(ok_row(row, body, bound))
-        return len(batch)  # NOTE: progress only; the results are in the part files
-
-
-SERVE_ATTEMPTS = 3  # a row whose offline replica goes away under it is sent again this many times in all
-
-
-class ServeStage:
-    """Actor that sends every row of a batch to a running foreserve app's offline pool (whose
-    replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
-
-    def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
-        from ray import serve
-        from transformers import AutoTokenizer
-
-        self.config = EngineConfig.model_validate(engine)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
-        self.app_name = app_name
-        self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
-        self.store = ResultStore(out_dir)
-        self.results = self.store.writer()
-
-    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str) -> ResultRow:
-        from app.api.prompt import chat_prompt
-        from deployments.engine_server import GenerateRequest
-
-        config = self.config
-        try:
-            ids, max_tokens = chat_prompt(self.tokenizer, row.request, config.max_model_len_tokens, config.default_max_tokens)
-        except APIError as exc:
-            row.error = f"line {row.line}: {exc}"
-            return error_row(row)
-        request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
-                                  sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
-                                  predictor_text=text, predictor_version=version)
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        from deployments.pool_gate import wait_until_up
-
-        for attempt in range(1, SERVE_ATTEMPTS + 1):
-            texts, last = [], None
-            if attempt > 1:  # NOTE: the replica went away: the pool may have yielded to online
-                wait_until_up(self.app_name, "offline")
-            try:
-                for item in self.pool.generate.remote(request.model_dump()):
-                    if "error" in item:
-                        row.error = f"line {row.line}: {item['error']['message']}"
-                        return error_row(row)
-                    texts.append(item["text"])
-                    last = item
-                break
-            except (RayActorError, ActorUnavailableError):
-                # NOTE: the replica was drained by a scale-down (or died): requeue the row, recompute it
-                if attempt == SERVE_ATTEMPTS:
-                    raise
-        body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
-                               last["completion_tokens"], last["finish_reason"])
-        return ok_row(row, body, bound)
-
-    def ready(self) -> int:
-        return 0
-
-    def run(self, batch: list[dict]) -> int:
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
-        from deployments.pool_gate import wait_until_up
-
-        rows = list(_rows(batch, self.store.done_lines()))
-        if rows:  # NOTE: one controller query per batch, not per row: do not wake a pool yielded to online
-            wait_until_up(self.app_name, "offline")
-        with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
-            for future in as_completed([pool.submit(self._one, *args) for args in rows]):
-                self.results.append(future.result())
-        return len(batch)
-
-
-def running_app(app_name: str = "foreserve") -> bool:
-    """Whether this Ray cluster runs a foreserve Serve app with an offline pool (checked without
-    starting Serve)."""
-    import ray
-
-    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-    if not any("SERVE_CONTROLLER" in name for name in names):
-        return False
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
-    return app is not None and "offline" in app.deployments and app.status == "RUNNING"
 
 
 def write_status(out_dir: Path, **fields) -> None:

@@ -121,7 +121,8 @@ def test_status_counts_rows_from_parts_while_running(tmp_path):
 def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
     import pyarrow.parquet as pq
 
-    from app.batch import completion_body, write_parquet
+    from app.batch import write_parquet
+    from app.batch_stages import completion_body
     from app.batch_io import InputRow
 
     store = ResultStore(tmp_path)
