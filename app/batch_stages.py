@@ -86,9 +86,6 @@ class EngineStage:
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
 
-    def ready(self) -> int:
-        return self.engine.pool.capacity_tokens
-
     def run(self, batch: list[dict]) -> int:
         """Generate every row of ``batch`` not answered yet; returns the number of rows in it."""
         from app.api.prompt import chat_prompt
@@ -171,9 +168,6 @@ class ServeStage:
         body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
                                last["completion_tokens"], last["finish_reason"])
         return ok_row(row, body, bound)
-
-    def ready(self) -> int:
-        return 0
 
     def run(self, batch: list[dict]) -> int:
         from concurrent.futures import ThreadPoolExecutor, as_completed

@@ -26,13 +26,17 @@ def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None 
         return MaxPredictor(buckets)
     if Path(name).is_dir():
         return LearnedPredictor.from_dir(Path(name), version=version or f"dir:{name}", **kwargs)
-    name = str(name)
+    directory, version = _registry_copy(str(name))
+    return LearnedPredictor.from_dir(directory, version=version, **kwargs)
+
+
+def _registry_copy(name: str) -> tuple[Path, str]:
+    """The local copy of registry version ``name`` (``champion`` or a number), and its version."""
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
     from predictor import registry  # NOTE: imports MLflow; only a registry lookup needs it
 
-    directory, version = registry.download_version(None if name == "champion" else name)
-    return LearnedPredictor.from_dir(directory, version=version, **kwargs)
+    return registry.download_version(None if name == "champion" else name)
 
 
 def resolve_predictor(name: str = "champion") -> tuple[str, str]:
@@ -44,11 +48,7 @@ def resolve_predictor(name: str = "champion") -> tuple[str, str]:
     if Path(name).is_dir():
         return str(name), f"dir:{name}"
     try:
-        if name != "champion" and not str(name).isdigit():
-            raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory or max")
-        from predictor import registry
-
-        directory, version = registry.download_version(None if name == "champion" else str(name))
+        directory, version = _registry_copy(str(name))
         return str(directory), version
     except Exception as exc:  # noqa: BLE001 - a job must run without a predictor, like serving
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)

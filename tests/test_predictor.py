@@ -216,3 +216,15 @@ def test_micro_batches_bound_padding_and_cover_everything():
     for b in batches:
         assert len(b) <= 4 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 100)
     assert [1] in [list(b) for b in batches]  # the long prompt runs alone
+
+
+def test_a_job_resolves_its_predictor_once_or_falls_back_to_max(tmp_path, monkeypatch):
+    from predictor.loading import load_predictor_or_max, resolve_predictor
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert resolve_predictor("max") == ("max", "0")
+    assert resolve_predictor(str(tmp_path)) == (str(tmp_path), f"dir:{tmp_path}")
+    assert resolve_predictor("no-such-name") == ("max", "max-fallback")
+    assert resolve_predictor("champion") == ("max", "max-fallback")  # an empty registry has none
+    predictor = load_predictor_or_max("max", version="max-fallback")  # what the job's actor then loads
+    assert predictor.name == "max" and predictor.version == "max-fallback"
