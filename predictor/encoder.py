@@ -104,17 +104,20 @@ class Attention(nn.Module):
         self.output = DenseResidual(c, c.hidden_size)
 
 
-class Intermediate(nn.Module):
-    def __init__(self, c: EncoderConfig) -> None:
+class Dense(nn.Module):
+    """One ``dense`` linear: BERT's FFN input (``intermediate``) and its pooler, named as its
+    checkpoints name them (the pooler is kept so that they load whole; the predictor mean-pools)."""
+
+    def __init__(self, width_in: int, width_out: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
+        self.dense = nn.Linear(width_in, width_out)
 
 
 class Layer(nn.Module):
     def __init__(self, c: EncoderConfig) -> None:
         super().__init__()
         self.attention = Attention(c)
-        self.intermediate = Intermediate(c)
+        self.intermediate = Dense(c.hidden_size, c.intermediate_size)
         self.output = DenseResidual(c, c.intermediate_size)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -128,14 +131,6 @@ class Stack(nn.Module):
         self.layer = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
 
 
-class Pooler(nn.Module):
-    """Kept so that BERT checkpoints load whole; the predictor mean-pools instead."""
-
-    def __init__(self, c: EncoderConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-
 class BertEncoder(nn.Module):
     """``forward(input_ids, attention_mask) -> last hidden states [batch, tokens, hidden]``."""
 
@@ -144,7 +139,7 @@ class BertEncoder(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.encoder = Stack(config)
-        self.pooler = Pooler(config)
+        self.pooler = Dense(config.hidden_size, config.hidden_size)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -158,17 +153,20 @@ class BertEncoder(nn.Module):
         return x
 
     @classmethod
-    def from_pretrained(cls, directory: Path, weights: dict[str, torch.Tensor] | None = None) -> "BertEncoder":
-        """The encoder of ``directory`` (its ``config.json``), with ``weights`` (default: its
-        ``model.safetensors``); buffers a BERT checkpoint may carry (``position_ids``) are skipped."""
-        from safetensors.torch import load_file
-
+    def from_pretrained(cls, directory: Path) -> "BertEncoder":
+        """The encoder of ``directory``: its ``config.json`` and ``model.safetensors``."""
         with torch.device("meta"):
             model = cls(EncoderConfig.from_pretrained(directory))
-        state = load_file(str(Path(directory) / "model.safetensors")) if weights is None else weights
-        state = {k: v for k, v in state.items() if not k.endswith("position_ids")}
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(load_weights(Path(directory) / "model.safetensors"), strict=True, assign=True)
         return model
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors without the buffers BERT checkpoints may carry (``position_ids``),
+    which this encoder computes instead."""
+    from safetensors.torch import load_file
+
+    return {k: v for k, v in load_file(str(path)).items() if not k.endswith("position_ids")}
 
 
 class WordPieceTokenizer:

@@ -17,13 +17,16 @@ logger = logging.getLogger(__name__)
 
 def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, version: str | None = None,
                    **kwargs) -> LengthPredictor:
-    """``champion`` (the MLflow alias), a registry version number, a local model directory (labelled
-    ``version``, default ``dir:PATH``) or ``max``. Raises ``registry.RegistryError``/``ValueError``
-    with a clear message."""
+    """``champion`` (the MLflow alias), a registry version number, a local model directory or
+    ``max``; ``version`` labels a directory (default ``dir:PATH``) or ``max``. Raises
+    ``registry.RegistryError``/``ValueError`` with a clear message."""
     from predictor.learned import LearnedPredictor
 
     if name == "max":
-        return MaxPredictor(buckets)
+        predictor = MaxPredictor(buckets)
+        if version:
+            predictor.version = version
+        return predictor
     if Path(name).is_dir():
         return LearnedPredictor.from_dir(Path(name), version=version or f"dir:{name}", **kwargs)
     directory, version = _registry_copy(str(name))
@@ -58,14 +61,8 @@ def resolve_predictor(name: str = "champion") -> tuple[str, str]:
 def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None,
                           version: str | None = None) -> LengthPredictor:
     """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
-    if name == "max" and version:
-        predictor = MaxPredictor(buckets)
-        predictor.version = version
-        return predictor
     try:
         return load_predictor(name, buckets, version=version)
     except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
-        predictor = MaxPredictor(buckets)
-        predictor.version = "max-fallback"
-        return predictor
+        return load_predictor("max", buckets, version="max-fallback")

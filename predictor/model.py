@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from predictor.buckets import LengthBuckets
-from predictor.encoder import BertEncoder, EncoderConfig, WordPieceTokenizer
+from predictor.encoder import BertEncoder, EncoderConfig, WordPieceTokenizer, load_weights
 
 WEIGHTS = "model.safetensors"
 META = "predictor.json"
@@ -119,8 +119,7 @@ class LengthModel(nn.Module):
             spec = ModelSpec.model_validate(json.loads((directory / META).read_text()))
             with torch.device("meta"):  # NOTE: no random init of weights about to be replaced
                 model = cls(BertEncoder(EncoderConfig.from_pretrained(directory)), spec)
-            state = {k: v for k, v in load_file(str(directory / WEIGHTS)).items() if not k.endswith("position_ids")}
-            model.load_state_dict(state, strict=True, assign=True)
+            model.load_state_dict(load_weights(directory / WEIGHTS), strict=True, assign=True)
             tokenizer = WordPieceTokenizer(directory)
         except Exception as exc:  # noqa: BLE001 - any corruption becomes one clear error
             raise ValueError(f"cannot load the length predictor in {directory}: {exc}") from exc
