@@ -123,10 +123,10 @@ class ServeStage:
 
     def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
         from ray import serve
-        from transformers import AutoTokenizer
+        from app.engine.tokenizer import load_tokenizer
 
         self.config = EngineConfig.model_validate(engine)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.tokenizer = load_tokenizer(self.config.model_path)
         self.app_name = app_name
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
         self.store = ResultStore(out_dir)

@@ -76,8 +76,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, online: DeploymentHandle, offline: DeploymentHandle, predictor: DeploymentHandle, config: dict) -> None:
-        from transformers import AutoTokenizer
-
+        from app.engine.tokenizer import load_tokenizer
         from deployments.metrics import RequestMetrics
 
         self.config = AppConfig.model_validate(config)
@@ -85,7 +84,7 @@ class Ingress:
         self.predictor = predictor
         self.engine_config = self.config.pools["online"]
         self.model_id = self.engine_config.served_model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine_config.model_path)
+        self.tokenizer = load_tokenizer(self.engine_config.model_path)
         env_keys = [k.strip() for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k.strip()]
         self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
         self.metrics = RequestMetrics()

@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(runner, "k_cache"):
             runner.k_cache.normal_()
             runner.v_cache.normal_()
+    if args.hf and args.tp == 1:  # transformers' own model and cache (the runner runs foreserve's modules)
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
     try:
         threads = runner.config.torch_threads if args.tp > 1 else torch.get_num_threads()
         print(f"threads per rank={threads} context_tokens={args.context_tokens} tp={args.tp}")
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             ms = bench_runner(runner, b, args.context_tokens, args.steps, args.warmup)
             line = f"batch {b:3d}: runner {ms:8.1f} ms/step  ({b / ms * 1000:7.1f} tok/s)"
             if args.hf and args.tp == 1:
-                hf_ms = bench_hf(runner.model, b, args.context_tokens, args.steps, args.warmup)
+                hf_ms = bench_hf(hf_model, b, args.context_tokens, args.steps, args.warmup)
                 line += f" | HF {hf_ms:8.1f} ms/step"
             print(line, flush=True)
         if args.prefill_tokens:

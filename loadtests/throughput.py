@@ -141,11 +141,10 @@ def build_runner(config: EngineConfig, sim: str | None, tp: int) -> tuple[Runner
         runner = SimRunner(hardware, model, tp)
         num_blocks = runner.kv_budget_bytes() // (runner.kv_bytes_per_token * config.block_size_tokens)
         return runner, int(num_blocks), None
-    from transformers import AutoConfig
-
+    from app.engine.llama import model_config
     from app.engine.runner import HFRunner
 
-    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(AutoConfig.from_pretrained(config.model_path), config.cache_dtype))
+    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(model_config(config.model_path), config.cache_dtype))
     if tp > 1:
         from app.engine.tp import TPRunner
 

@@ -30,10 +30,13 @@ def engine_parts():
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
                for q in QUESTIONS]
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
     expected = []
     for p in prompts:
         ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
-        out = engine.runner.model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        out = hf_model.generate(ids, max_new_tokens=NEW, do_sample=False)
         expected.append(out[0, ids.shape[1]:].tolist())  # up to and including EOS
     return config, engine.runner, prompts, expected
 

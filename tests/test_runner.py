@@ -104,13 +104,23 @@ def prompts(runner) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(runner, prompts) -> list[list[int]]:
+def hf_model():
+    """transformers' own model and generate: the reference (the runner loads foreserve's Llama modules)."""
+    from transformers import AutoModelForCausalLM
+
+    from app.paths import model_dir
+
+    return AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(runner, prompts, hf_model) -> list[list[int]]:
     refs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            gen = runner.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                        max_new_tokens=NEW_TOKENS, pad_token_id=runner.eos_token_id)
+            gen = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, pad_token_id=runner.eos_token_id)
             refs.append(gen[0, len(ids):].tolist())
     return refs
 
@@ -125,6 +135,20 @@ def test_kv_bytes_per_token():
     hf = AutoConfig.from_pretrained(model_dir())
     assert HFRunner.kv_bytes_per_token(hf, "float32") == 2 * 30 * 3 * 64 * 4
     assert HFRunner.kv_bytes_per_token(hf, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+
+
+@pytest.mark.model
+def test_runner_loads_foreserve_llama_by_default_and_transformers_on_request(runner, prompts, reference):
+    from app.engine.llama import LlamaForCausalLM
+    from app.engine.runner import HFRunner
+
+    assert type(runner.model) is LlamaForCausalLM
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight  # tied, as in the checkpoint
+    config = EngineConfig(kv_cache_tokens=512, block_size_tokens=BLOCK, torch_threads=1, model_impl="transformers")
+    hf_runner = HFRunner(config, config.kv_pool_blocks(1))
+    assert type(hf_runner.model).__module__.startswith("transformers.")
+    got = play_engine(hf_runner, [Seq("t", prompts[0], GREEDY)])
+    assert got["t"] == reference[0]
 
 
 @pytest.mark.model

@@ -81,11 +81,10 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
-        from transformers import AutoConfig
-
+        from app.engine.llama import model_config
         from app.engine.runner import HFRunner, on_short_lived_thread
 
-        hf_config = AutoConfig.from_pretrained(config.model_path)
+        hf_config = model_config(config.model_path)
         num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.cache_dtype))
         if config.tensor_parallel_size > 1 and config.use_ray_tp_workers():
             from app.engine.tp_ray import RayTPRunner

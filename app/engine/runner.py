@@ -157,9 +157,10 @@ class HFRunner(Runner):
     """Runs the model in this process. ``model`` lets a caller pass an already built (e.g. sharded) one."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, model: torch.nn.Module | None = None,
-                 load_tokenizer: bool = True) -> None:
+                 with_tokenizer: bool = True) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from app.engine.llama import load_model
+        from app.engine.tokenizer import load_tokenizer
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -173,11 +174,11 @@ class HFRunner(Runner):
         self.num_blocks = num_blocks
         if model is None:
             self.device = resolve_device(config.device)
-            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype).to(self.device)
+            model = load_model(config.model_path, config.model_impl, self.dtype, self.device)
         else:  # an already placed (e.g. sharded) model
             self.device = next(model.parameters()).device
         self.model = model.eval().requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path) if load_tokenizer else None
+        self.tokenizer = load_tokenizer(config.model_path) if with_tokenizer else None
         eos = self.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = self.tokenizer.eos_token_id

@@ -107,7 +107,7 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
     engine = deepspeed.init_inference(
         model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=False
     )
-    runner = HFRunner(config, num_blocks, model=engine.module, load_tokenizer=False)
+    runner = HFRunner(config, num_blocks, model=engine.module, with_tokenizer=False)
     torch.distributed.barrier()  # every rank has mapped every shm buffer: the names can go
     _unlink(_shm_path(master_port, rank))
     return runner
@@ -125,7 +125,7 @@ def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads:
 def setup_driver(runner: Runner, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
     """The driver-side state both TP runners share (tokenizer, sizes, threads per rank);
     returns (world size, torch threads per rank)."""
-    from transformers import AutoTokenizer
+    from app.engine.tokenizer import load_tokenizer
 
     runner.tp_size = world = config.tensor_parallel_size
     if world < 2:
@@ -134,7 +134,7 @@ def setup_driver(runner: Runner, config: EngineConfig, num_blocks: int) -> tuple
     runner.config = config.model_copy(update={"torch_threads": threads})
     runner.num_blocks = num_blocks
     runner.block_size = config.block_size_tokens
-    runner.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    runner.tokenizer = load_tokenizer(config.model_path)
     runner.eos_token_id = runner.tokenizer.eos_token_id
     runner.broken = False
     return world, threads
