@@ -280,7 +280,7 @@ def test_serve_config_pools_load_and_unknown_pool_is_rejected(tmp_path):
 
 def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     """The decode batch shrinks (to one) when even a small step misses the TPOT objective, never grows
-    to the prefill floor; aging forgives one token per measured step."""
+    to the prefill floor; aging forgives aging_tokens_per_step tokens per measured step."""
     from app.engine.scheduler.online import MIN_STEP_TOKENS, TPOT_HEADROOM
 
     sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0).scheduler
@@ -292,7 +292,9 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # 50 ms + 10 ms a token
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
     assert sched.max_running() == int((TPOT_HEADROOM * 0.25 - 0.05) / 0.01)
-    assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06  # one token per (recent mean) step
+    assert 0.25 / 0.37 < sched.aging_tokens_per_s() < 0.25 / 0.06  # a quarter token per (recent mean) step
+    sched.config.aging_tokens_per_step = 1.0
+    assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06
     fixed = make_engine("reserve_predicted", "online", aging_tokens_per_s=7.0).scheduler
     assert fixed.aging_tokens_per_s() == 7.0
 

@@ -3,9 +3,12 @@ a TPOT-capped step and TTFT-aware anti-starvation.
 
 - Order: ``predicted remaining tokens - aging rate * seconds waited`` (priority first), so short
   answers go first and every request's key falls steadily until it reaches the head. The aging
-  rate is by default one token per engine step (the measured mean step time): a waiting request is
-  credited the tokens it would have produced running, so it waits at most about its own run time
-  behind shorter work, on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).
+  rate is counted in engine steps (``aging_tokens_per_step`` over the measured mean step time), so
+  it means the same on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).
+  At one token per step a waiting request is credited the tokens it would have produced running
+  and waits at most about its own run time behind shorter work; but under a long queue that credit
+  soon outweighs every prediction and the order decays to FCFS. The default, a quarter token per
+  step, bounds the wait at about four run times and keeps the order shortest-first.
 - TPOT: the step time is learned online as a non-decreasing function of the tokens a step carries
   (running means per bin of step sizes, made monotone; ``StepTimeModel``); the per-step token budget
   is capped so a step stays within the TPOT objective, which bounds decode batch size and prefill
@@ -113,7 +116,7 @@ class OnlineScheduler(Scheduler):
     def aging_tokens_per_s(self) -> float:
         if self.config.aging_tokens_per_s is not None:
             return self.config.aging_tokens_per_s
-        return 1.0 / self.mean_step_s if self.mean_step_s else 0.0
+        return self.config.aging_tokens_per_step / self.mean_step_s if self.mean_step_s else 0.0
 
     def _score(self, req: Request, now: float, aging: float) -> float:
         return req.predicted_remaining_tokens - aging * (now - req.arrival_s)
