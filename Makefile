@@ -56,7 +56,7 @@ bench-serve: prepare
 	$(VENV)/bin/foreserve bench serve --requests 20 --max-tokens 32 --json reports/serve_overhead.json
 
 bench-batch: prepare
-	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench batch --rows 64 --max-tokens 256 --repeats 2 --json reports/bench_batch.json
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench batch --rows 64 --max-tokens 256 --repeats 3 --json reports/bench_batch.json
 
 bench-burst: prepare
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench burst --json reports/burst.json

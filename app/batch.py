@@ -3,7 +3,7 @@ generate on engine actors (``offline`` scheduler, ``reserve_predicted``: the eng
 uses), and write OpenAI batch output lines exactly once (``app/batch_io.py``).
 
 Pipeline: the engine actors start loading → input rows through ``PredictStage`` (Ray Data
-``map_batches`` over an actor, batched MiniLM; the predictor version is pinned once for the job) →
+``map_batches`` over one actor, batched MiniLM; it resolves the predictor version once for the job) →
 ``plan_batches`` (sorted by predicted bound; S3: similar lengths travel together) →
 ``EngineStage`` actors (one ``LLMEngine`` each; a batch is admitted at once so the scheduler packs
 it by predicted length), each taking the next batch when it finishes one. Each finished row is
@@ -57,13 +57,10 @@ def read_status(out_dir: str | Path) -> dict:
 
 
 def predict(todo: list[InputRow], predictor: str, threads: int) -> list[dict]:
-    """Every row with its predicted bucket and bound: Ray Data ``map_batches`` over a predictor
-    actor, with the predictor resolved once here (one version for the whole job)."""
+    """Every row with its predicted bucket and bound: Ray Data ``map_batches`` over one predictor
+    actor, which resolves ``predictor`` once (one version for the whole job)."""
     import ray
 
-    from predictor.loading import resolve_predictor
-
-    source, version = resolve_predictor(predictor)
     ctx = ray.data.DataContext.get_current()
     # NOTE: on a small node the driver's own work competes with the engines for cores; the job
     # has its own progress (tqdm, status.json)
@@ -74,7 +71,7 @@ def predict(todo: list[InputRow], predictor: str, threads: int) -> list[dict]:
     # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
     # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
     ds = ray.data.from_items(items).map_batches(
-        PredictStage, fn_constructor_kwargs={"source": source, "version": version, "threads": threads},
+        PredictStage, fn_constructor_kwargs={"predictor": predictor, "threads": threads},
         compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
     return ds.take_all()
 
@@ -156,10 +153,12 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
         # NOTE: the engine actors load while the rows are predicted
         workers = start_workers(backend, engines, engine, out_dir, engine_cpus, app_name)
         try:
-            # NOTE: one thread: the prediction runs while the engines load (a 2-thread predictor
-            # beside a loading engine oversubscribed this 2-core machine: the engine's first step
-            # came later); beside a Serve app it leaves the cores to the online pool
-            predicted = predict(todo, predictor, 1)
+            # NOTE: the job's own engines have loaded by the time the predictor actor is up (the
+            # engine loads in ~2 s, the predictor starts after the registry lookup and Ray Data's
+            # setup), so it predicts on an engine's threads; beside a Serve app, on one thread,
+            # leaving the cores to the online pool
+            threads = 1 if backend == "serve" else engine.torch_threads or os.cpu_count() or 1
+            predicted = predict(todo, predictor, threads)
             with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
                 generate(workers, plan_batches(predicted, batch_size, engines), bar.update)
         finally:

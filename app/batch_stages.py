@@ -15,14 +15,18 @@ from app.config import EngineConfig
 class PredictStage:
     """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns.
 
-    ``source``/``version``: the predictor the driver resolved once for the whole job
-    (``predictor.loading.resolve_predictor``), so every row and every restarted actor uses one version."""
+    ``predictor``: ``champion``, a registry version, a directory or ``max``, resolved here once
+    (``predictor.loading.resolve_predictor``; the job's one actor, so one version for every row,
+    and each row records it). Resolving here rather than in the driver lets the actor start
+    while the engines load: the registry lookup (MLflow's imports, ~1.5 s of CPU) was on the
+    job's critical path before Ray Data could start the actor."""
 
-    def __init__(self, source: str, version: str, threads: int = 1) -> None:
+    def __init__(self, predictor: str, threads: int = 1) -> None:
         t0 = time.perf_counter()
         from app.engine.runner import on_short_lived_thread
-        from predictor.loading import load_predictor_or_max
+        from predictor.loading import load_predictor_or_max, resolve_predictor
 
+        source, version = resolve_predictor(predictor)
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
         self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
         self.threads = threads

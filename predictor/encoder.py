@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from app.modules import embedding
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -55,9 +57,9 @@ class EncoderConfig(BaseModel):
 class Embeddings(nn.Module):
     def __init__(self, c: EncoderConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=0)
-        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.word_embeddings = embedding(c.vocab_size, c.hidden_size, padding_idx=0)
+        self.position_embeddings = embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.dropout = nn.Dropout(c.hidden_dropout_prob)
 

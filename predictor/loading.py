@@ -6,13 +6,39 @@ imports the training stack: a batch job's predictor actor and the Serve predicto
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import uuid
 from pathlib import Path
 
+from app import paths
 from predictor.base import LengthPredictor, MaxPredictor
 from predictor.buckets import LengthBuckets
 
 logger = logging.getLogger(__name__)
+LOOKUPS_FILE = "lookups.json"  # in <home>/mlflow/cache: registry lookups and the store state they saw
+
+
+def tracking_uri(uri: str | None = None) -> str:
+    """``uri``, else ``$MLFLOW_TRACKING_URI``, else the sqlite store under the data dir."""
+    if uri or (uri := os.environ.get("MLFLOW_TRACKING_URI")):
+        return uri
+    home = (paths.home() / "mlflow").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home}/mlflow.db"
+
+
+def _store_state() -> list | None:
+    """Size and mtime of a local sqlite store and its journals; None for any other store (never cached).
+
+    NOTE: every registry write (a promotion, a new version) changes them; a lookup does not."""
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///"))
+    files = (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-journal"))
+    return [[p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None for p in files]
 
 
 def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, version: str | None = None,
@@ -34,12 +60,33 @@ def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None 
 
 
 def _registry_copy(name: str) -> tuple[Path, str]:
-    """The local copy of registry version ``name`` (``champion`` or a number), and its version."""
+    """The local copy of registry version ``name`` (``champion`` or a number), and its version.
+
+    A local sqlite store that has not changed since the last lookup of ``name`` gives that
+    lookup's answer without importing MLflow (~1.5 s of CPU: a batch job's predictor actor and a
+    Serve predictor replica start that much sooner)."""
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
+    state, lookups_path = _store_state(), paths.home() / "mlflow" / "cache" / LOOKUPS_FILE
+    try:
+        lookups = json.loads(lookups_path.read_text())
+    except (OSError, ValueError):
+        lookups = {}
+    hit = lookups.get(name) if state is not None else None
+    if hit and hit.get("store") == state and (Path(hit["dir"]) / "predictor.json").is_file():
+        return Path(hit["dir"]), str(hit["version"])
     from predictor import registry  # NOTE: imports MLflow; only a registry lookup needs it
 
-    return registry.download_version(None if name == "champion" else name)
+    directory, version = registry.download_version(None if name == "champion" else name)
+    if state is not None:  # NOTE: the state from before the lookup: a write during it makes a miss next time
+        lookups[name] = {"store": state, "dir": str(directory), "version": version}
+        tmp = lookups_path.with_name(f".{LOOKUPS_FILE}.{uuid.uuid4().hex}")
+        try:
+            tmp.write_text(json.dumps(lookups))
+            tmp.replace(lookups_path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return directory, version
 
 
 def resolve_predictor(name: str = "champion") -> tuple[str, str]:

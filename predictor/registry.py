@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
+from predictor.loading import tracking_uri  # noqa: F401 - part of this module's interface
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is first imported; no network
 import mlflow  # noqa: E402
@@ -55,11 +56,6 @@ class PredictorArtifact(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         raise NotImplementedError("load the predictor from predictor.registry.download_version()")
-
-
-def tracking_uri(uri: str | None = None) -> str:
-    """``uri``, else ``$MLFLOW_TRACKING_URI``, else the sqlite store under the data dir."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{_mkdir(paths.home() / 'mlflow')}/mlflow.db"
 
 
 def _mkdir(path: Path) -> Path:

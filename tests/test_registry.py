@@ -175,3 +175,28 @@ def test_tags_reach_the_version(tmp_path: Path) -> None:
     assert tags["source"] == "sharegpt" and tags["n_rows"] == "10"
     assert float(tags["metric.kendall_tau"]) == GOOD["kendall_tau"]
     assert not any(k.startswith("mlflow.") for k in tags)
+
+
+def test_lookup_in_an_unchanged_store_needs_no_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``predictor.loading`` answers a repeated lookup from its record while the sqlite store is
+    unchanged; a promotion changes the store, so the next lookup asks MLflow again."""
+    from predictor import loading
+
+    def register(seed: int) -> str:
+        model_dir = make_model_dir(tmp_path, seed)
+        (model_dir / "predictor.json").write_text("{}")
+        run_id = registry.start_run({"seed": seed}, run_name=f"run-{seed}")
+        return registry.finish_run(run_id, model_dir, GOOD)
+
+    registry.set_champion(register(0))
+    lookups: list[str | None] = []
+    real = registry.download_version
+    monkeypatch.setattr(registry, "download_version", lambda version=None: lookups.append(version) or real(version))
+    first = loading._registry_copy("champion")
+    assert first[1] == "1" and lookups == [None]
+    assert loading._registry_copy("champion") == first and lookups == [None]  # from the record
+    registry.set_champion(register(1))
+    directory, version = loading._registry_copy("champion")
+    assert version == "2" and lookups == [None, None] and (directory / "predictor.json").is_file()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert loading._store_state() is None  # a remote store is always asked

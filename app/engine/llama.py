@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.modules import embedding
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -141,9 +143,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        # NOTE: given its weight, Embedding skips its random init (on the meta device that init
-        # would import torch._dynamo: 0.8 s)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
