@@ -153,10 +153,9 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
         # NOTE: the engine actors load while the rows are predicted
         workers = start_workers(backend, engines, engine, out_dir, engine_cpus, app_name)
         try:
-            # NOTE: the job's own engines have loaded by the time the predictor actor is up (the
-            # engine loads in ~2 s, the predictor starts after the registry lookup and Ray Data's
-            # setup), so it predicts on an engine's threads; beside a Serve app, on one thread,
-            # leaving the cores to the online pool
+            # NOTE: the job's own engines have loaded (~2 s) by the time the predictor actor has
+            # started, resolved its version and loaded, so it predicts on an engine's threads;
+            # beside a Serve app, on one thread, leaving the cores to the online pool
             threads = 1 if backend == "serve" else engine.torch_threads or os.cpu_count() or 1
             predicted = predict(todo, predictor, threads)
             with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
