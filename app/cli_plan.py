@@ -166,7 +166,7 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     config = EngineConfig(
         allocation="reserve_predicted", kv_cache_tokens=kv_tokens, max_num_batched_tokens=batch_tokens,
         max_num_seqs=256, default_max_tokens=args.max_tokens, max_model_len_tokens=args.max_tokens + 2048,
-        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, aging_tokens_per_step=args.aging_tokens_per_step,
     )
     report = scheduler_ab(runner, config, Workload.sharegpt(2000, args.max_tokens), args.rates, args.duration,
                           args.seeds, tuple(args.schedulers), args.bucket_noise)
@@ -255,6 +255,8 @@ def add_parser(sub) -> None:
     ab.add_argument("--batch-tokens", type=int, help="per-step token budget (default 256 with --calibration, else 2048)")
     ab.add_argument("--bucket-noise", type=float, default=0.0,
                     help="std-dev in buckets added to the oracle's prediction (default 0: exact buckets)")
+    ab.add_argument("--aging-tokens-per-step", type=float, default=0.25,
+                    help="the online scheduler's aging: predicted tokens forgiven per step waited (default 0.25)")
     ab.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
                     help="the two schedulers (default online,fcfs)")
     ab.set_defaults(func=cmd_scheduler_ab)
