@@ -48,6 +48,9 @@ def test_foreserve_impl_refuses_a_model_it_cannot_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
     with pytest.raises(ValueError, match="model_impl foreserve cannot run .*model_type is not llama"):
         load_model(tmp_path, "foreserve", torch.float32, torch.device("cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # weights as .bin only
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        load_model(tmp_path, "foreserve", torch.float32, torch.device("cpu"))
     with pytest.raises(FileNotFoundError, match="Hugging Face model folder"):
         read_config(tmp_path / "nowhere")
 
