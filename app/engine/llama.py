@@ -210,8 +210,10 @@ def load_model(model_path: str | Path, model_impl: str, dtype: torch.dtype, devi
     """The checkpoint in foreserve's Llama modules or transformers', as ``model_impl`` asks (``auto``:
     ours where ``unsupported`` finds nothing against it)."""
     reason = unsupported(read_config(model_path))
-    if not reason and not any(Path(model_path, name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
-        reason = "no safetensors weights"
+    try:
+        weight_files(Path(model_path))
+    except FileNotFoundError:
+        reason = reason or "no safetensors weights"
     if model_impl == "foreserve" and reason:
         raise ValueError(f"model_impl foreserve cannot run {model_path} ({reason}): use auto or transformers")
     if model_impl == "transformers" or reason:
