@@ -37,8 +37,16 @@ def _store_state() -> list | None:
     if not uri.startswith("sqlite:///"):
         return None
     db = Path(uri.removeprefix("sqlite:///"))
-    files = (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-journal"))
-    return [[p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None for p in files]
+    return [_size_and_mtime(p) for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-journal"))]
+
+
+def _size_and_mtime(path: Path) -> list[int] | None:
+    """One stat (a journal may vanish between two: sqlite deletes it at each commit); None if absent."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, version: str | None = None,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from predictor.loading import tracking_uri  # noqa: F401 - part of this module's interface
+from predictor.loading import tracking_uri
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is first imported; no network
 import mlflow  # noqa: E402
