@@ -105,3 +105,16 @@ def test_tokenizer_equals_autotokenizer():
 
 def test_tokenizer_without_tokenizer_json_is_left_to_transformers(tmp_path):
     assert ChatTokenizer.from_dir(tmp_path) is None
+
+
+@pytest.mark.model
+def test_tokenizer_with_a_template_jinja_cannot_compile_is_left_to_transformers(tmp_path):
+    import shutil
+
+    from app.paths import model_dir
+
+    shutil.copy(model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% unknown_tag %}"}))
+    assert ChatTokenizer.from_dir(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert ChatTokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"

@@ -76,8 +76,13 @@ class ChatTokenizer:
         if not isinstance(template, (str, type(None))) or (template and re.search(r"\{%-?\s*generation\s*-?%\}", template)):
             return None  # named templates, assistant masks: transformers' business
         special = {key: text for key in _SPECIAL_KEYS if (text := _token_text(config.get(key)))}
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), special, template,
-                   bool(config.get("clean_up_tokenization_spaces", False)))
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            return cls(Tokenizer.from_file(str(path / "tokenizer.json")), special, template,
+                       bool(config.get("clean_up_tokenization_spaces", False)))
+        except TemplateSyntaxError:  # a tag of transformers' own, or a broken template: its error is transformers'
+            return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
