@@ -147,7 +147,7 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     from app.engine.profiles import parse_sim_spec
     from app.engine.sim import SimRunner
     from autoscale.capacity import Workload
-    from autoscale.scheduler_ab import scheduler_ab
+    from autoscale.scheduler_ab import predict_workload, scheduler_ab
 
     if args.calibration:
         from autoscale.calibrate import cpu_model, cpu_profile
@@ -168,12 +168,15 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
         max_num_seqs=256, default_max_tokens=args.max_tokens, max_model_len_tokens=args.max_tokens + 2048,
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, aging_tokens_per_step=args.aging_tokens_per_step,
     )
-    report = scheduler_ab(runner, config, Workload.sharegpt(2000, args.max_tokens), args.rates, args.duration,
-                          args.seeds, tuple(args.schedulers), args.bucket_noise)
+    workload = Workload.sharegpt(2000, args.max_tokens)
+    predictions = None if args.predictor == "oracle" else predict_workload(workload, args.predictor)
+    report = scheduler_ab(runner, config, workload, args.rates, args.duration, args.seeds, tuple(args.schedulers),
+                          args.bucket_noise, predictions, args.order_by)
     a, b = report["schedulers"]
     r = report["runner"]
     print(f"{r['model']} tp={r['tp_size']} on {r['hardware']}, KV {kv_tokens} tokens, step budget {batch_tokens}, SLOs TTFT {args.ttft_slo_ms:g} ms / "
           f"TPOT {args.tpot_slo_ms:g} ms; medians of {args.seeds} seeds, {args.duration:g} s of arrivals")
+    print(f"predictor {report['predictor']}, online orders by its {'ranking estimate' if args.order_by == 'rank' else 'reservation bound'}")
     print(f"{'rate':>6} {'scheduler':>9} {'mean E2E s':>10} {'TTFT p90 s':>10} {'TPOT p50 ms':>11} {'SLO met':>8} "
           f"{'goodput':>8} {'tok/s':>8} {'batch':>6}")
     for row in report["summary"]:
@@ -255,6 +258,12 @@ def add_parser(sub) -> None:
     ab.add_argument("--batch-tokens", type=int, help="per-step token budget (default 256 with --calibration, else 2048)")
     ab.add_argument("--bucket-noise", type=float, default=0.0,
                     help="std-dev in buckets added to the oracle's prediction (default 0: exact buckets)")
+    ab.add_argument("--predictor", default="oracle",
+                    help="oracle (default: exact buckets, blurred by --bucket-noise, and exact lengths to order by) "
+                    "or a real predictor (champion, a registry version, a model directory) run over the trace's prompts")
+    ab.add_argument("--order-by", choices=("rank", "bound"), default="rank",
+                    help="what the online scheduler orders by: the predictor's ranking estimate (default) or its "
+                    "reservation bound")
     ab.add_argument("--aging-tokens-per-step", type=float, default=0.25,
                     help="the online scheduler's aging: predicted tokens forgiven per step waited (default 0.25)")
     ab.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],

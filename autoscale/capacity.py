@@ -38,6 +38,7 @@ class Workload:
     prompt_tokens: list[int]
     output_tokens: list[int]
     max_tokens: int = 1024
+    texts: list[str] | None = None  # the user messages (trace workloads), for a real predictor
 
     @property
     def mean_output_tokens(self) -> float:
@@ -54,7 +55,8 @@ class Workload:
             records = []
         if records:
             recs = [records[i % len(records)] for i in range(n)]
-            return cls([r.prompt_tokens for r in recs], [max(1, min(r.output_tokens, max_tokens)) for r in recs], max_tokens)
+            return cls([r.prompt_tokens for r in recs], [max(1, min(r.output_tokens, max_tokens)) for r in recs], max_tokens,
+                       [r.user for r in recs])
         return cls.lognormal(n, SHAREGPT_MEAN_PROMPT_TOKENS, SHAREGPT_MEAN_OUTPUT_TOKENS, max_tokens, seed)
 
     @classmethod

@@ -5,8 +5,13 @@ Each run sends Poisson arrivals at a rate for ``duration_s`` into one replica (t
 KV policy over SimRunner's roofline step time), serves every request to completion and scores it as
 ``foreserve loadtest`` does: TTFT, TPOT = (E2E - TTFT) / (tokens - 1), E2E, and goodput = requests
 per second of arrivals that met both SLOs (DistServe's definition). Both schedulers see the same
-arrival times and requests for a seed. The predictor is the oracle's bucket (its upper edge is the
-reservation); ``bucket_noise`` blurs it to a classifier's accuracy.
+arrival times and requests for a seed.
+
+What the engine is told of each answer: by default the oracle's bucket (its upper edge is the
+reservation; ``bucket_noise`` blurs it to a classifier's accuracy) and the exact length to order by.
+``Predictions`` from a real predictor over the trace's prompts (``predict_workload``) give its
+buckets, bounds and ranking estimates instead; ``order_by="bound"`` hides the ranking estimate, so
+the online scheduler orders by the reservation bound, as it does for a predictor without one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,28 @@ from app.engine.request import SamplingParams
 from app.engine.sim import SimRunner
 from autoscale.capacity import Workload
 from predictor.buckets import LengthBuckets
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Per workload request: predicted bucket, reservation bound and ranking estimate (tokens)."""
+
+    buckets: list[int]
+    bounds: list[int]
+    rank_tokens: list[float] | None
+    source: str
+
+
+def predict_workload(workload: Workload, predictor_name: str) -> Predictions:
+    """A real predictor (``champion``, a version, a model directory) over the workload's prompts."""
+    from predictor.loading import load_predictor
+
+    if not workload.texts:
+        raise ValueError("this workload has no prompt texts (build the traces with `foreserve prepare`)")
+    predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens))
+    pred = predictor.predict(workload.texts)
+    return Predictions(list(pred.buckets), list(pred.bound_tokens), pred.rank_tokens,
+                       f"{predictor_name} (version {getattr(predictor, 'version', '?')})")
 
 
 @dataclass(frozen=True)
@@ -39,8 +66,11 @@ class LoadRun:
 
 
 def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, rate_rps: float,
-                  duration_s: float, seed: int = 0, bucket_noise: float = 0.0) -> LoadRun:
+                  duration_s: float, seed: int = 0, bucket_noise: float = 0.0,
+                  predictions: Predictions | None = None, order_by: str = "rank") -> LoadRun:
     """One open-loop run of ``config.scheduler`` (the runner is stateless between runs)."""
+    if order_by not in ("rank", "bound"):
+        raise ValueError(f"order_by is 'rank' or 'bound', got {order_by!r}")
     engine = LLMEngine(config, runner, config.kv_pool_blocks(runner.kv_bytes_per_token))
     buckets = LengthBuckets(max_tokens=workload.max_tokens, num_buckets=config.num_buckets)
     rng = np.random.default_rng(seed)
@@ -57,13 +87,18 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
         if not engine.has_unfinished_requests():
             engine.idle_until(float(arrivals[i]))
         while i < len(arrivals) and arrivals[i] <= engine.clock():
-            out = workload.output_tokens[picks[i]]
-            bucket = int(np.clip(round(buckets.bucket_of(out) + noise[i]), 0, buckets.num_buckets - 1))
+            k, out = picks[i], workload.output_tokens[picks[i]]
+            if predictions is None:
+                bucket = int(np.clip(round(buckets.bucket_of(out) + noise[i]), 0, buckets.num_buckets - 1))
+                bound, rank = buckets.upper_bound_tokens(bucket), float(out)
+            else:
+                bucket, bound = predictions.buckets[k], predictions.bounds[k]
+                rank = predictions.rank_tokens[k] if predictions.rank_tokens else None
             rid = str(i)
             engine.add_request(
-                prompt_token_ids=[1] * workload.prompt_tokens[picks[i]],
+                prompt_token_ids=[1] * workload.prompt_tokens[k],
                 sampling=SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True),
-                request_id=rid, prediction=(bucket, None, buckets.upper_bound_tokens(bucket)),
+                request_id=rid, prediction=(bucket, None, bound), rank_tokens=rank if order_by == "rank" else None,
                 true_output_tokens=out, force_true_length=True, detokenize=False,
             )
             arrived[rid], lengths[rid] = float(arrivals[i]), out
@@ -89,7 +124,7 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
 
 def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, rates: list[float],
                  duration_s: float, seeds: int = 3, schedulers: tuple[str, str] = ("online", "fcfs"),
-                 bucket_noise: float = 0.0) -> dict:
+                 bucket_noise: float = 0.0, predictions: Predictions | None = None, order_by: str = "rank") -> dict:
     """Every (rate, seed) under both schedulers; per rate the medians and the median ratios
     (mean E2E of B / A, goodput of A / B: above 1 means A is better)."""
     if len(schedulers) != 2:
@@ -103,7 +138,7 @@ def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, ra
         pairs = []
         for seed in range(seeds):
             pair = [simulate_load(runner, config.model_copy(update={"scheduler": s}), workload, rate, duration_s,
-                                  seed, bucket_noise) for s in (a, b)]
+                                  seed, bucket_noise, predictions, order_by) for s in (a, b)]
             runs += [asdict(r) for r in pair]
             pairs.append(pair)
         goodput_ratios = [ra.goodput_rps / rb.goodput_rps for ra, rb in pairs if rb.goodput_rps > 0]
@@ -116,6 +151,7 @@ def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, ra
             "goodput_ratio": round(float(np.median(goodput_ratios)), 3) if goodput_ratios else None,
         })
     return {"schedulers": [a, b], "duration_s": duration_s, "seeds": seeds, "bucket_noise": bucket_noise,
+            "predictor": "oracle" if predictions is None else predictions.source, "order_by": order_by,
             "runner": runner.describe(), "summary": summary, "runs": runs}
 
 

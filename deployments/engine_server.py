@@ -36,6 +36,7 @@ class GenerateRequest(BaseModel):
     num_prompt_tokens: int | None = Field(None, description="len(prompt_token_ids): what the KV-aware router reads.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens) from the predictor deployment; None reserves for max_tokens.")
+    rank_tokens: float | None = Field(None, description="The predictor's length estimate the online scheduler orders by; None orders by the bound.")
     predictor_text: str | None = Field(None, description="The text the predictor read (kept in the feedback record).")
     predictor_version: str | None = None
     resume_output_token_ids: list[int] = Field(default_factory=list, description="An answer resumed from a lost replica: the tokens it already generated (recomputed, not sent again).")
@@ -95,6 +96,7 @@ class EngineServer:
             sampling=req.sampling,
             tier=self.pool,
             prediction=req.prediction,
+            rank_tokens=req.rank_tokens,
             predictor_text=req.predictor_text,
             predictor_version=req.predictor_version,
             output_token_ids=req.resume_output_token_ids or None,

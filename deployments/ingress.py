@@ -274,6 +274,7 @@ class Ingress:
             sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     seed=body.seed, stop=body.stop_list, ignore_eos=body.ignore_eos),
             prediction=None if pred is None else (pred["bucket"], pred["probabilities"], pred["bound_tokens"]),
+            rank_tokens=None if pred is None else pred.get("rank_tokens"),
             predictor_text=text,
             predictor_version="max-fallback" if pred is None else pred["version"],
         )

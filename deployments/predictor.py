@@ -87,6 +87,7 @@ class LengthPredictorServer:
                 "probabilities": [float(p) for p in pred.probabilities[i]],
                 "expected_tokens": pred.expected_tokens[i] if pred.expected_tokens else None,
                 "score": pred.scores[i] if pred.scores else None,
+                "rank_tokens": pred.rank_tokens[i] if pred.rank_tokens else None,
                 "version": str(predictor.version),
             }
             for i in range(len(texts))
@@ -138,7 +139,7 @@ class RetrainTrigger:
 @serve.deployment(name="predictor", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
 class PredictorDeployment:
     """``await handle.predict.remote(text) -> dict`` (bucket, bound_tokens, probabilities,
-    expected_tokens, score, version). ``reconfigure`` takes a ``PredictorConfig`` dict."""
+    expected_tokens, score, rank_tokens, version). ``reconfigure`` takes a ``PredictorConfig`` dict."""
 
     def __init__(self, config: dict | None = None) -> None:
         self.server = self._server(PredictorConfig.model_validate(config or {}))

@@ -19,6 +19,7 @@ class LengthPrediction:
     bound_tokens: list[int]  # what the engine reserves for the output (a guess, not a length)
     expected_tokens: list[float] | None = None  # the predicted mean length, when the predictor has one
     scores: list[float] | None = None  # a ranking score (higher = longer), when the predictor has one
+    rank_tokens: list[float] | None = None  # the ranking score in tokens: what the online scheduler orders by
 
 
 class LengthPredictor:
@@ -71,10 +72,12 @@ class OraclePredictor(LengthPredictor):
         if missing:
             raise KeyError(f"oracle predictor has no true length for {len(missing)} prompt(s)")
         seen: dict[str, int] = {}
-        buckets = []
+        true = []
         for p in prompts:
             lengths = self.true_output_tokens[p]
             n = seen.get(p, 0)
             seen[p] = n + 1
-            buckets.append(self.buckets.bucket_of(lengths[min(n, len(lengths) - 1)]))
-        return self._from_buckets(buckets)
+            true.append(lengths[min(n, len(lengths) - 1)])
+        pred = self._from_buckets([self.buckets.bucket_of(t) for t in true])
+        pred.rank_tokens = [float(t) for t in true]  # NOTE: the exact length: the ordering's ceiling too
+        return pred

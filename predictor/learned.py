@@ -28,6 +28,13 @@ def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = No
     return argmax, bounds, probs @ mids
 
 
+def score_tokens(scores: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Ranking scores back in tokens: the score regresses the standardised log1p length, so this is
+    a length estimate (about the median) that orders as the scores do (ties only at the clip)."""
+    logs = np.asarray(scores, dtype=np.float64) * spec.score_std + spec.score_mean
+    return np.clip(np.expm1(logs), 1.0, float(spec.max_tokens))
+
+
 class LearnedPredictor(LengthPredictor):
     """Batched, thread-safe inference; prompts are sorted by length so padding stays small."""
 
@@ -89,4 +96,5 @@ class LearnedPredictor(LengthPredictor):
             bound_tokens=[int(b) for b in bounds],
             expected_tokens=[float(e) for e in expected],
             scores=[float(s) for s in scores],
+            rank_tokens=[float(t) for t in score_tokens(scores, self.spec)],
         )

@@ -41,8 +41,10 @@ def add(
     max_tokens: int | None = None,
     priority: int = 0,
     ignore_eos: bool = True,
+    rank: float | None = None,
 ):
-    """A request forced to ``output_tokens`` (via max_tokens) with a predicted bound."""
+    """A request forced to ``output_tokens`` (via max_tokens) with a predicted bound (and, given
+    ``rank``, a ranking estimate to order by)."""
     sampling = SamplingParams(max_tokens=max_tokens or output_tokens, temperature=0.0, ignore_eos=ignore_eos)
     bound = predicted if predicted is not None else sampling.max_tokens
     return engine.add_request(
@@ -51,6 +53,7 @@ def add(
         request_id=rid,
         priority=priority,
         prediction=(engine.buckets.bucket_of(bound), None, bound),
+        rank_tokens=rank,
         true_output_tokens=output_tokens,
         force_true_length=True,
     )

@@ -30,7 +30,7 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
         handle = serve.run(app, name="engine-test", route_prefix=None).options(stream=True)
         request = {"request_id": "r1", "messages": [{"role": "user", "content": "Say hello."}],
                    "sampling": {"max_tokens": 8, "temperature": 0.0}, "prediction": (0, None, 102),
-                   "predictor_text": "Say hello.", "predictor_version": "7"}
+                   "rank_tokens": 12.5, "predictor_text": "Say hello.", "predictor_version": "7"}
 
         async def collect(req) -> list[dict]:
             return [item async for item in handle.generate.remote(req)]

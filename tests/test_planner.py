@@ -15,7 +15,7 @@ from autoscale.calibrate import CPU_OVERHEAD_S, _components, _step_components, c
 from autoscale.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
 from autoscale.day import LOADS, diurnal_rates, simulate_day
 from autoscale.planner import PlanRequest, _pool_choice, feasible_tps
-from autoscale.scheduler_ab import scheduler_ab
+from autoscale.scheduler_ab import Predictions, scheduler_ab
 
 WORKLOAD = Workload.lognormal(400, 111, 330, seed=1)
 
@@ -197,6 +197,22 @@ def test_scheduler_ab_online_beats_fcfs_in_overload():
     [row] = report["summary"]
     assert row["e2e_ratio"] > 1.1
     assert row["online"]["p50_tpot_ms"] < row["fcfs"]["p50_tpot_ms"]
+
+
+def test_scheduler_ab_orders_by_the_given_ranking_estimate():
+    """A predictor whose bounds all say max_tokens ranks nothing by its bound; its ranking estimate
+    (here exact) lets the online scheduler run short answers first."""
+    runner, config = _cpu_ab_config()
+    workload = Workload.lognormal(300, 111, 150, max_tokens=256, seed=2)
+    flat = Predictions([9] * 300, [256] * 300, [float(t) for t in workload.output_tokens], "test")
+    by_rank, by_bound = (scheduler_ab(runner, config, workload, rates=[0.8], duration_s=40, seeds=1, predictions=flat,
+                                      order_by=o) for o in ("rank", "bound"))
+    assert by_rank["predictor"] == "test" and by_rank["order_by"] == "rank" and by_bound["order_by"] == "bound"
+    assert by_rank["summary"][0]["online"]["mean_e2e_s"] < 0.97 * by_bound["summary"][0]["online"]["mean_e2e_s"]
+    fcfs = [r for r in by_rank["runs"] if r["scheduler"] == "fcfs"]
+    assert fcfs == [r for r in by_bound["runs"] if r["scheduler"] == "fcfs"]  # FCFS reads neither
+    with pytest.raises(ValueError, match="order_by"):
+        scheduler_ab(runner, config, workload, rates=[0.8], duration_s=5, seeds=1, order_by="score")
 
 
 def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):

@@ -40,6 +40,7 @@ def test_oracle_gives_a_repeated_prompt_each_of_its_lengths_in_order():
     # ShareGPT repeats prompts with other answers: keyed by text alone, all but one got a wrong bucket
     oracle = OraclePredictor([("hi", 50), ("bye", 300), ("hi", 900)], B)
     assert oracle.predict(["hi", "bye", "hi"]).bound_tokens == [102, 307, 921]
+    assert oracle.predict(["hi", "bye", "hi"]).rank_tokens == [50.0, 300.0, 900.0]  # exact: orders perfectly
     assert oracle.predict(["hi"]).bound_tokens == [102]  # every call starts again from the first
     assert oracle.predict(["hi", "hi", "hi"]).buckets == [0, 8, 8]  # past the recorded ones: the last
     assert OraclePredictor({"a": 1024}, B).predict(["a"]).buckets == [9]
@@ -121,6 +122,10 @@ def test_training_is_deterministic_and_save_load_round_trips(tmp_path):
     assert again.buckets == direct.buckets and again.bound_tokens == direct.bound_tokens
     np.testing.assert_allclose(again.probabilities, direct.probabilities, atol=1e-6)
     assert len(again.scores) == 5 and len(again.expected_tokens) == 5
+    # the ranking estimate is the score in tokens: same order, within [1, max_tokens]
+    ranks, scores = np.array(again.rank_tokens), np.array(again.scores)
+    assert all(1.0 <= r <= TINY_SPEC.max_tokens for r in ranks)
+    assert all((ranks[i] < ranks[j]) == (scores[i] < scores[j]) for i in range(5) for j in range(5) if i != j)
 
 
 def test_corrupt_model_dir_is_a_clear_error(tmp_path):

@@ -19,12 +19,14 @@ def test_fallback_then_hot_swap_to_each_new_champion(home: Path):  # noqa: F811
     server = LengthPredictorServer({"poll_s": 3600})  # polled by hand below
     try:
         assert server.version == "max-fallback"
-        assert server.predict_batch(["hi"])[0]["bound_tokens"] == 1024  # no champion: reserve max
+        fallback = server.predict_batch(["hi"])[0]
+        assert fallback["bound_tokens"] == 1024 and fallback["rank_tokens"] is None  # no champion: reserve max
         train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
         assert server.refresh() and server.version == "1" and server.swaps == 1
         assert not server.refresh()  # nothing new
         out = server.predict_batch(["say yes", "write a long essay about the sea"])
         assert [o["version"] for o in out] == ["1", "1"] and len(out[0]["probabilities"]) == 10
+        assert all(1.0 <= o["rank_tokens"] <= 1024 for o in out)  # what the online scheduler orders by
         train_and_register(CONFIG, SPEC, train=TRAIN[:16], evalset=EVAL, promote=False)
         registry.set_champion("2")
         assert server.refresh() and server.version == "2"

@@ -134,6 +134,25 @@ def test_admission_order_per_scheduler():
     assert admitted("online") == ["d", "c", "b"]  # shortest predicted first
 
 
+def test_online_orders_by_the_ranking_estimate_not_the_bound():
+    """Equal bounds (one bucket) say nothing about order; the ranking estimate does. Without
+    one the order falls back to the bound; a victim is the one with the most ranked work left."""
+    def admitted(ranks):
+        engine = make_engine("reserve_predicted", "online", kv_tokens=48, max_num_batched_tokens=512)
+        for rid, rank in zip("abc", ranks):
+            add(engine, rid, 10, 6, predicted=6, rank=rank)  # 16 tokens = 1 block each, 3 blocks
+        add(engine, "big", 40, 2, predicted=2, rank=None if ranks[0] is None else 50.0)  # 3 blocks: the pool
+        return first_step_ids(engine)
+
+    assert admitted([5.0, 2.0, 3.0]) == ["b", "c", "a"]
+    assert admitted([None, None, None]) == ["big"]  # bound 2 < 6: the bound orders
+    engine = make_engine("reserve_predicted", "online", kv_tokens=1024)
+    for rid, rank in (("x", 30.0), ("y", 90.0), ("z", 10.0)):
+        add(engine, rid, 4, 8, predicted=8, rank=rank)
+    engine.step()
+    assert [r.request_id for r in sorted(engine.scheduler.running, key=engine.scheduler.running_key)] == ["z", "x", "y"]
+
+
 def test_online_ages_long_request_past_a_stream_of_short_ones():
     engine = make_engine("reserve_predicted", "online", kv_tokens=32, ttft_slo_ms=1000.0, step_s=0.01)
     add(engine, "long", 28, 4, predicted=4)  # needs both blocks from the start

@@ -122,6 +122,7 @@ class LLMEngine:
         tier: str = "online",
         priority: int = 0,
         prediction: tuple[int, list[float] | None, int] | None = None,
+        rank_tokens: float | None = None,
         true_output_tokens: int | None = None,
         force_true_length: bool = False,
         detokenize: bool = True,
@@ -133,7 +134,9 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. ``prediction`` is (bucket, probabilities, bound_tokens); without it
         the engine's predictor is asked with ``predictor_text`` (the user's message; default the
-        prompt), one prompt at a time: batch callers should pass it. A failing predictor never
+        prompt), one prompt at a time: batch callers should pass it. ``rank_tokens`` is the
+        predictor's length estimate for ordering (``LengthPrediction.rank_tokens``); without it the
+        online scheduler orders by the bound. A failing predictor never
         fails the request: it falls back to ``max`` reservation and is counted.
 
         ``output_token_ids`` resumes an answer another replica started (and lost): they count as
@@ -162,7 +165,7 @@ class LLMEngine:
         if predictor_text is None:
             predictor_text = prompt
         if prediction is None:
-            prediction, predictor_version = self.predict(predictor_text or "")
+            prediction, rank_tokens, predictor_version = self.predict(predictor_text or "")
         bucket, probs, bound_tokens = prediction
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
@@ -174,6 +177,7 @@ class LLMEngine:
             predicted_output_tokens=max(1, min(int(bound_tokens), sampling.max_tokens)),
             predicted_bucket=bucket,
             bucket_probs=probs,
+            rank_output_tokens=None if rank_tokens is None else float(rank_tokens),
             true_output_tokens=true_output_tokens,
             force_true_length=force_true_length and true_output_tokens is not None,
             prompt=prompt,
@@ -191,8 +195,8 @@ class LLMEngine:
                 self._detok[req.request_id].resume(req.output_token_ids, emitted_chars)
         return req
 
-    def predict(self, text: str) -> tuple[tuple[int, list[float], int], str | None]:
-        """The engine's own predictor on one text: ((bucket, probs, bound), version)."""
+    def predict(self, text: str) -> tuple[tuple[int, list[float], int], float | None, str | None]:
+        """The engine's own predictor on one text: ((bucket, probs, bound), rank tokens, version)."""
         try:
             pred: LengthPrediction = self.predictor.predict([text])
             version = getattr(self.predictor, "version", None)
@@ -200,7 +204,8 @@ class LLMEngine:
             logger.exception("length predictor failed; reserving for max_tokens")
             self.predictor_fallbacks += 1
             pred, version = self._max_predictor.predict([text]), "max-fallback"
-        return (pred.buckets[0], pred.probabilities[0].tolist(), pred.bound_tokens[0]), version
+        rank = pred.rank_tokens[0] if pred.rank_tokens else None
+        return (pred.buckets[0], pred.probabilities[0].tolist(), pred.bound_tokens[0]), rank, version
 
     def abort(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)

@@ -59,6 +59,9 @@ class Request:
     predicted_output_tokens: int = 0
     predicted_bucket: int = -1
     bucket_probs: list[float] | None = None
+    # The predictor's length estimate to order by (its ranking score in tokens; the bound is a
+    # reservation at a quantile, and ties within a bucket). None: the online scheduler orders by the bound.
+    rank_output_tokens: float | None = None
     # Known only in benchmarks replaying a trace; the `oracle` policy reserves exactly this.
     true_output_tokens: int | None = None
     # Benchmarks replaying a trace stop each request at its true length (EOS ignored).
@@ -94,6 +97,13 @@ class Request:
     @property
     def predicted_remaining_tokens(self) -> int:
         return max(self.predicted_output_tokens - self.num_output_tokens, 1)
+
+    @property
+    def rank_remaining_tokens(self) -> float:
+        """Predicted tokens still to generate, by the ranking estimate when there is one."""
+        if self.rank_output_tokens is None:
+            return self.predicted_remaining_tokens
+        return max(self.rank_output_tokens - self.num_output_tokens, 1.0)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) of prompt + output."""

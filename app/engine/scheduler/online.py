@@ -2,7 +2,9 @@
 a TPOT-capped step and TTFT-aware anti-starvation.
 
 - Order: ``predicted remaining tokens - aging rate * seconds waited`` (priority first), so short
-  answers go first and every request's key falls steadily until it reaches the head. The aging
+  answers go first and every request's key falls steadily until it reaches the head. The prediction
+  is the predictor's ranking estimate (``rank_output_tokens``: its ranking score, in tokens) when it
+  has one, else the reservation bound (ten bucket edges: requests in one bucket tie). The aging
   rate is counted in engine steps (``aging_tokens_per_step`` over the measured mean step time), so
   it means the same on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).
   At one token per step a waiting request is credited the tokens it would have produced running
@@ -119,7 +121,7 @@ class OnlineScheduler(Scheduler):
         return self.config.aging_tokens_per_step / self.mean_step_s if self.mean_step_s else 0.0
 
     def _score(self, req: Request, now: float, aging: float) -> float:
-        return req.predicted_remaining_tokens - aging * (now - req.arrival_s)
+        return req.rank_remaining_tokens - aging * (now - req.arrival_s)
 
     def waiting_order(self) -> list[Request]:
         now, aging = self.clock(), self.aging_tokens_per_s()
@@ -127,7 +129,7 @@ class OnlineScheduler(Scheduler):
 
     def running_key(self, req: Request) -> tuple:
         # Victims are taken from the end: lowest priority, then most predicted work left.
-        return (-req.priority, req.predicted_remaining_tokens, self._admit_order[req.request_id])
+        return (-req.priority, req.rank_remaining_tokens, self._admit_order[req.request_id])
 
     def _tpot_cap(self) -> int | None:
         """Tokens per step that keep a step within the TPOT objective (None until measured)."""
