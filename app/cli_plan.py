@@ -147,7 +147,7 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     from app.engine.profiles import parse_sim_spec
     from app.engine.sim import SimRunner
     from autoscale.capacity import Workload
-    from autoscale.scheduler_ab import predict_workload, scheduler_ab
+    from autoscale.scheduler_ab import predict_workload, queued_order_gain, scheduler_ab
 
     if args.calibration:
         from autoscale.calibrate import cpu_model, cpu_profile
@@ -187,6 +187,13 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
                   f"{m['mean_running_batch']:>6.1f}")
         goodput = "n/a (no run of B met an SLO)" if row["goodput_ratio"] is None else f"{row['goodput_ratio']:.2f}x"
         print(f"{'':>6} {a} vs {b}: mean E2E {row['e2e_ratio']:.2f}x lower, goodput {goodput}")
+    last = report["summary"][-1]
+    slots = max(1, round(last[b]["mean_running_batch"]))
+    requests = max(1, round(last["rate_rps"] * args.duration))
+    report["queued_order_gain"] = {"requests": requests, "slots": slots,
+                                   "gain": queued_order_gain(workload.output_tokens, requests, slots)}
+    print(f"ceiling: {requests} answers all queued, {slots} at a time, exact shortest-first vs arrival order: mean "
+          f"completion {report['queued_order_gain']['gain']:.2f}x lower")
     _write(args.json, report)
     return 0
 

@@ -15,7 +15,7 @@ from autoscale.calibrate import CPU_OVERHEAD_S, _components, _step_components, c
 from autoscale.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
 from autoscale.day import LOADS, diurnal_rates, simulate_day
 from autoscale.planner import PlanRequest, _pool_choice, feasible_tps
-from autoscale.scheduler_ab import Predictions, scheduler_ab
+from autoscale.scheduler_ab import Predictions, queued_order_gain, scheduler_ab
 
 WORKLOAD = Workload.lognormal(400, 111, 330, seed=1)
 
@@ -215,6 +215,17 @@ def test_scheduler_ab_orders_by_the_given_ranking_estimate():
         scheduler_ab(runner, config, workload, rates=[0.8], duration_s=5, seeds=1, order_by="score")
 
 
+def test_queued_order_gain():
+    assert queued_order_gain([100], requests=20, slots=3) == 1.0  # equal lengths: order is moot
+    # one slot, two draws from {1, 9}: only the draw (9, 1) is out of order, and it completes at
+    # 9, 10 (mean 9.5) against 1, 10 (5.5) sorted; the other three draws gain nothing
+    gain = queued_order_gain([1, 9], requests=2, slots=1, trials=400)
+    assert gain == pytest.approx(0.75 + 0.25 * 9.5 / 5.5, abs=0.05)
+    assert queued_order_gain([1, 9], requests=2, slots=2) == 1.0  # a slot each: nobody waits
+    with pytest.raises(ValueError):
+        queued_order_gain([1], requests=0, slots=1)
+
+
 def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     from app.cli import main
 
@@ -228,6 +239,7 @@ def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["schedulers"] == ["online", "fcfs"] and len(report["runs"]) == 2
     assert {"online", "fcfs", "e2e_ratio", "goodput_ratio"} <= report["summary"][0].keys()
+    assert "ceiling: 6 answers all queued" in text and report["queued_order_gain"]["gain"] >= 1.0
 
 
 def test_scheduler_ab_rejects_bad_input_clearly(tmp_path, capsys):
