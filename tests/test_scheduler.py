@@ -147,10 +147,15 @@ def test_online_orders_by_the_ranking_estimate_not_the_bound():
     assert admitted([5.0, 2.0, 3.0]) == ["b", "c", "a"]
     assert admitted([None, None, None]) == ["big"]  # bound 2 < 6: the bound orders
     engine = make_engine("reserve_predicted", "online", kv_tokens=1024)
-    for rid, rank in (("x", 30.0), ("y", 90.0), ("z", 10.0)):
-        add(engine, rid, 4, 8, predicted=8, rank=rank)
+    for rid, rank in (("x", 30.0), ("y", 50.0), ("z", 10.0)):
+        add(engine, rid, 4, 60, predicted=60, rank=rank)
     engine.step()
     assert [r.request_id for r in sorted(engine.scheduler.running, key=engine.scheduler.running_key)] == ["z", "x", "y"]
+    z = engine.scheduler.requests["z"]
+    z.output_token_ids[:] = [5] * 9  # nine of its estimated ten generated: one left
+    assert z.rank_remaining_tokens == 1.0
+    z.output_token_ids[:] = [5] * 12  # outgrew the estimate: what the bound leaves
+    assert z.rank_remaining_tokens == z.predicted_remaining_tokens == 48
 
 
 def test_online_ages_long_request_past_a_stream_of_short_ones():

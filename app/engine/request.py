@@ -100,10 +100,11 @@ class Request:
 
     @property
     def rank_remaining_tokens(self) -> float:
-        """Predicted tokens still to generate, by the ranking estimate when there is one."""
-        if self.rank_output_tokens is None:
+        """Predicted tokens still to generate, by the ranking estimate while it holds; an answer
+        that outgrew it falls back to the bound (not to "one token left" forever)."""
+        if self.rank_output_tokens is None or self.num_output_tokens >= self.rank_output_tokens:
             return self.predicted_remaining_tokens
-        return max(self.rank_output_tokens - self.num_output_tokens, 1.0)
+        return self.rank_output_tokens - self.num_output_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) of prompt + output."""
