@@ -18,18 +18,17 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from predictor.model import ModelSpec
-    from predictor.pipeline import QUICK_SPEC, QUICK_TRAIN, train_and_register
-    from predictor.train import TrainConfig
+    from predictor.pipeline import FULL_SPEC, FULL_TRAIN, QUICK_SPEC, QUICK_TRAIN, train_and_register
 
     def merged(base, overrides: dict):  # validated, unlike model_copy(update=...)
         return type(base).model_validate({**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
 
-    config = merged(QUICK_TRAIN if args.quick else TrainConfig(), {
+    config = merged(QUICK_TRAIN if args.quick else FULL_TRAIN, {
         "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed})
-    spec = merged(QUICK_SPEC if args.quick else ModelSpec(), {
+    spec = merged(QUICK_SPEC if args.quick else FULL_SPEC, {
         "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile})
-    summary = train_and_register(config, spec, promote=not args.no_promote,
+    turns = args.turns or ("first" if args.quick else "all")
+    summary = train_and_register(config, spec, promote=not args.no_promote, turns=turns,
                                  extra_params={"recipe": "quick" if args.quick else "full"})
     _write_json(args.json, summary)
     return 0
@@ -132,6 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--bound-quantile", type=float, help="reservation bound quantile of the predicted distribution")
     t.add_argument("--lr", type=float)
     t.add_argument("--seed", type=int)
+    t.add_argument("--turns", choices=("all", "first"), help="train on every turn of the train conversations (default) or "
+                   "on first turns only (default with --quick); the later turns are 2.5x more examples")
     t.add_argument("--no-promote", action="store_true", help="register only; leave the champion alias alone")
     t.add_argument("--json", metavar="FILE", help="write the summary here")
     t.set_defaults(func=cmd_train)

@@ -30,10 +30,23 @@ class EvalLine(BaseModel):
 
 
 def trace_examples(split: str) -> list[Example]:
-    """``train`` or ``validation`` from ``foreserve prepare``'s traces."""
+    """``train``, ``validation`` or ``train_later`` from ``foreserve prepare``'s traces."""
     from app.prepare.traces import load_trace
 
     return [Example(r.user, r.output_tokens) for r in load_trace(split)]
+
+
+def training_examples(turns: str = "all") -> list[Example]:
+    """The train split's first turns and, with ``turns="all"``, the later turns of the same
+    conversations (``train_later``) minus any whose text is also a validation prompt, so that the
+    selection set stays unseen."""
+    if turns not in ("all", "first"):
+        raise ValueError(f"turns is 'all' or 'first', got {turns!r}")
+    first = trace_examples("train")
+    if turns == "first":
+        return first
+    validation = {e.text.strip() for e in trace_examples("validation")}
+    return first + [e for e in trace_examples("train_later") if e.text.strip() not in validation]
 
 
 def selection_examples() -> list[Example]:

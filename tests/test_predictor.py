@@ -11,7 +11,7 @@ import torch
 
 from predictor.base import LengthPrediction, LengthPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
-from predictor.dataset import Example, feedback_examples, read_eval_file
+from predictor.dataset import Example, feedback_examples, read_eval_file, training_examples
 from predictor.feedback import FeedbackRecord, read_feedback
 from predictor.learned import LearnedPredictor, decode
 from predictor.metrics import score_predictions
@@ -46,6 +46,19 @@ def test_oracle_gives_a_repeated_prompt_each_of_its_lengths_in_order():
     assert OraclePredictor({"a": 1024}, B).predict(["a"]).buckets == [9]
     with pytest.raises(KeyError, match="no true length for 1 prompt"):
         oracle.predict(["unknown"])
+
+
+def test_training_examples_add_later_turns_but_no_validation_prompt(monkeypatch):
+    from app.prepare import traces
+
+    rec = lambda user, n: traces.TraceRecord("id", user, f"<{user}>", 3, n)  # noqa: E731
+    splits = {"train": [rec("first", 10)], "validation": [rec("asked later too", 7)],
+              "train_later": [rec("continue", 300), rec("asked later too", 50)]}
+    monkeypatch.setattr(traces, "load_trace", lambda split: splits[split])
+    assert training_examples("first") == [Example("first", 10)]
+    assert training_examples("all") == [Example("first", 10), Example("continue", 300)]
+    with pytest.raises(ValueError, match="turns"):
+        training_examples("some")
 
 
 def test_decode_bound_follows_the_quantile():

@@ -70,6 +70,13 @@ def source(tmp_path: Path) -> dict:
     ]
     empty_out = _ids_for("train", 5, "e")[-1]
     convs.append(_conv(empty_out, "an empty answer follows", ""))  # output 0 tokens: dropped
+    convs[0]["conversations"] += [  # later turns of a train conversation: train_later
+        {"from": "human", "value": "and what about tomorrow then"}, {"from": "gpt", "value": "rain " * 5},
+        {"from": "human", "value": "no"}, {"from": "gpt", "value": "ok"},  # prompt 3 tokens: dropped
+        {"from": "human", "value": "tell me a longer story please"}, {"from": "gpt", "value": "once " * 40},
+    ]
+    convs[4]["conversations"] += [  # a validation conversation's later turns are never written
+        {"from": "human", "value": "a later validation question"}, {"from": "gpt", "value": "no " * 3}]
     text = "[\n" + ",\n".join(json.dumps(c, indent=2) for c in convs)
     # NOTE: truncated mid-record, like the packaged file
     text += ',\n  {\n    "id": "cut_0",\n    "conversations": [\n      {"from": "human", "value": "trunc'
@@ -108,8 +115,13 @@ def test_build_splits_filters_and_truncated_tail(source):
         assert split_of(r.id) == "train"
     for r in val:
         assert split_of(r.id) == "validation"
+    later = load_trace("train_later", trace_dir=out)
+    t0 = source["train"][0]
+    assert [(r.id, r.user, r.output_tokens) for r in later] == [
+        (f"{t0}#2", "and what about tomorrow then", 5), (f"{t0}#4", "tell me a longer story please", 40)]
+    assert "later validation" not in (out / "train_later.jsonl").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"] == {"train": 2, "validation": 1}
+    assert manifest["counts"] == {"train": 2, "validation": 1, "train_later": 2}
     assert manifest["filters"]["max_prompt_tokens"] == 1024
     assert manifest["dropped"]["conversations"] == 10  # the truncated record is not one
     assert manifest["dropped"]["reserved"] == 2

