@@ -269,7 +269,7 @@ def ensure_traces(force: bool = False) -> Path:
 
 
 def load_trace(split: str, limit: int | None = None, trace_dir: Path | None = None) -> list[TraceRecord]:
-    """Records of ``split`` ("train" or "validation"), sorted by id; builds the traces if absent."""
+    """Records of ``split`` (one of ``SPLITS``), sorted by id; builds the traces if absent."""
     if split not in SPLITS:
         raise ValueError(f"unknown trace split {split!r}; choose from {', '.join(SPLITS)}")
     if trace_dir is None:
