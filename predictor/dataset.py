@@ -62,13 +62,20 @@ def selection_examples() -> list[Example]:
     return out
 
 
+def is_censored(record, max_tokens: int = 1024) -> bool:
+    """Cut by the request's own ``max_tokens`` below the predictor's: the answer was at least this long."""
+    return record.finish_reason == "length" and record.output_tokens < max_tokens
+
+
 def feedback_examples(records: Iterable, max_tokens: int = 1024) -> list[Example]:
-    """Feedback records that carry a true length: finished by EOS or a stop string, or cut at
-    ``max_tokens`` or beyond (a cut below it only says "longer than", an abort says nothing)."""
+    """Feedback records that carry the model's true length: finished by EOS or a stop string, or cut
+    at ``max_tokens`` or beyond. A cut below it only says "longer than", an abort says nothing, and a
+    request that ignored EOS ran to the client's length, not the model's."""
     return [
         Example(r.prompt, r.output_tokens)
         for r in records
-        if r.prompt and (r.finish_reason == "stop" or (r.finish_reason == "length" and r.output_tokens >= max_tokens))
+        if r.prompt and not r.ignore_eos
+        and (r.finish_reason == "stop" or (r.finish_reason == "length" and not is_censored(r, max_tokens)))
     ]
 
 

@@ -34,6 +34,8 @@ class FeedbackRecord(BaseModel):
     predicted_bound_tokens: int | None = Field(None, ge=0, description="The output reservation the engine made, in tokens.")
     output_tokens: int = Field(ge=0, description="The number of tokens actually generated.")
     finish_reason: str = Field(description='Why generation ended: "stop", "length", "abort", ...')
+    ignore_eos: bool = Field(False, description="The client had EOS ignored (benchmarks, load tests) or forced a "
+                             "replayed length: the length is the client's, not the model's, and is no label.")
     tier: str = Field(description="The service tier the request ran in.")
     model_id: str = Field(description="The served model's id.")
     predictor_version: str | None = Field(None, description="Name/version of the predictor that made the prediction.")

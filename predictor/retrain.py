@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from predictor.buckets import LengthBuckets
-from predictor.dataset import Example, feedback_examples, trace_examples
+from predictor.dataset import Example, feedback_examples, is_censored, trace_examples
 from predictor.feedback import FeedbackRecord, feedback_dir, scan_feedback
 
 logger = logging.getLogger(__name__)
@@ -47,11 +47,14 @@ def is_holdout(text: str, frac: float) -> bool:
 
 
 def mispredicted(record: FeedbackRecord, buckets: LengthBuckets) -> bool:
+    """The bound overflowed, or the length landed more than one bucket off the prediction. An answer
+    cut by its own max_tokens was at least that long, so it can only show a prediction too short."""
     if record.predicted_bound_tokens is not None and record.output_tokens > record.predicted_bound_tokens:
         return True
     if record.predicted_bucket is None:
         return False
-    return abs(buckets.bucket_of(min(record.output_tokens, buckets.max_tokens)) - record.predicted_bucket) > 1
+    gap = buckets.bucket_of(min(record.output_tokens, buckets.max_tokens)) - record.predicted_bucket
+    return gap > 1 if is_censored(record, buckets.max_tokens) else abs(gap) > 1
 
 
 def _state_path(root: Path) -> Path:
@@ -76,7 +79,7 @@ def mark_retrained(root: Path | None = None, when_s: float | None = None) -> Non
 
 def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets: LengthBuckets) -> str | None:
     """Why to retrain on these new records now, or None."""
-    usable = [r for r in records if r.finish_reason in ("stop", "length")]
+    usable = [r for r in records if r.finish_reason in ("stop", "length") and not r.ignore_eos]
     if len(usable) < policy.min_records:
         return None
     if len(usable) >= policy.every_records:

@@ -190,13 +190,16 @@ def test_engine_writes_one_feedback_record_per_finished_request(tmp_path):
     assert (by_id["long"].output_tokens, by_id["long"].finish_reason, by_id["long"].tier) == (30, "length", "offline")
     assert by_id["long"].source == "offline" and by_id["long"].predictor_version == "3"
     assert (by_id["eos"].output_tokens, by_id["eos"].finish_reason) == (7, "stop")  # EOS counted
+    assert by_id["long"].ignore_eos and not by_id["eos"].ignore_eos  # a client's length is no label
     assert by_id["eos"].predicted_bound_tokens == 10 and by_id["eos"].prompt == "say hi"
     assert (by_id["gone"].output_tokens, by_id["gone"].finish_reason) == (0, "abort")
 
 
-def _record(i: int, out: int, bound: int | None, bucket: int | None, reason: str = "stop") -> FeedbackRecord:
+def _record(i: int, out: int, bound: int | None, bucket: int | None, reason: str = "stop",
+            ignore_eos: bool = False) -> FeedbackRecord:
     return FeedbackRecord(request_id=str(i), prompt=f"p{i}", predicted_bucket=bucket, predicted_bound_tokens=bound,
-                          output_tokens=out, finish_reason=reason, tier="online", model_id="m", predictor_version="1")
+                          output_tokens=out, finish_reason=reason, tier="online", model_id="m", predictor_version="1",
+                          ignore_eos=ignore_eos)
 
 
 def test_feedback_labels_and_retrain_trigger():
@@ -204,12 +207,19 @@ def test_feedback_labels_and_retrain_trigger():
             _record(3, 200, 1024, 9, "length"), _record(4, 5, 102, 0, "abort")]
     assert [e.output_tokens for e in feedback_examples(recs, 1024)] == [50, 300, 1024]  # censored/aborted dropped
     assert mispredicted(recs[1], B) and not mispredicted(recs[0], B)
+    # A client that ignored EOS ran to its own length: neither a label nor a misprediction.
+    forced = [_record(5, 1024, 1024, 0, "length", ignore_eos=True), _record(6, 40, 40, 9, "stop", ignore_eos=True)]
+    assert feedback_examples(forced, 1024) == []
+    # Cut by its own max_tokens: at least that long, so only a prediction too short shows.
+    assert not mispredicted(recs[3], B)  # 200 tokens cut, bucket 9 predicted: may well be right
+    assert mispredicted(_record(7, 600, 1024, 0, "length"), B)  # cut at 600, bucket 0 predicted: too short
     policy = RetrainPolicy(every_records=10, min_records=4, window_records=4, mispredict_rate=0.5)
     assert trigger_reason(recs[:3], policy, B) is None  # fewer than min_records
     calm = [_record(i, 50, 102, 0) for i in range(6)]
     assert trigger_reason(calm, policy, B) is None
     assert "misprediction rate" in trigger_reason(calm + [_record(9, 900, 102, 0)] * 3, policy, B)
     assert "new feedback records" in trigger_reason(calm * 2, policy, B)
+    assert trigger_reason(calm + forced * 4, policy, B) is None  # forced lengths count toward nothing
     assert is_holdout("same text", 0.2) == is_holdout("same text", 0.2)
     assert 0.1 < np.mean([is_holdout(f"prompt {i}", 0.2) for i in range(2000)]) < 0.3
 

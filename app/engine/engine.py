@@ -229,6 +229,7 @@ class LLMEngine:
                 predicted_bound_tokens=req.predicted_output_tokens,
                 output_tokens=req.num_output_tokens,
                 finish_reason=FINISH_REASONS.get(req.finish_reason or "", req.finish_reason or "unknown"),
+                ignore_eos=req.sampling.ignore_eos or req.force_true_length,
                 tier=req.tier,
                 model_id=self.config.served_model_name,
                 predictor_version=version,
