@@ -74,8 +74,7 @@ def feedback_examples(records: Iterable, max_tokens: int = 1024) -> list[Example
     return [
         Example(r.prompt, r.output_tokens)
         for r in records
-        if r.prompt and not r.ignore_eos
-        and (r.finish_reason == "stop" or (r.finish_reason == "length" and not is_censored(r, max_tokens)))
+        if r.prompt and not r.ignore_eos and r.finish_reason in ("stop", "length") and not is_censored(r, max_tokens)
     ]
 
 

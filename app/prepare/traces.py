@@ -104,12 +104,6 @@ def turn_pairs(conversation: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-def first_pair(conversation: list[Any]) -> tuple[str, str] | None:
-    """The first human message immediately followed by a gpt message."""
-    pairs = turn_pairs(conversation)
-    return pairs[0] if pairs else None
-
-
 def _source_fingerprint(source: Path) -> dict:
     with open(source, "rb") as f:
         head = f.read(1 << 20)
