@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,17 @@ def test_idempotent_and_force(source):
     _build(source, forced, force=True)
     assert forced.seen and (out / "train.jsonl").read_bytes() == before
     assert len(load_trace("train", limit=1, trace_dir=out)) == 1
+
+
+def test_moved_source_does_not_rebuild(source, tmp_path):
+    out = _build(source, FakeTokenizer())
+    moved = tmp_path / "elsewhere" / source["path"].name  # the same package in another venv
+    moved.parent.mkdir()
+    shutil.copyfile(source["path"], moved)
+    tok = FakeTokenizer()
+    build_traces(moved, out, tok, tokenizer_path="fake")
+    assert tok.seen == []
+    assert json.loads((out / "manifest.json").read_text())["source"]["path"] == str(source["path"])
 
 
 def test_changed_source_rebuilds(source):

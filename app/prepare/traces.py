@@ -105,9 +105,10 @@ def turn_pairs(conversation: list[Any]) -> list[tuple[str, str]]:
 
 
 def _source_fingerprint(source: Path) -> dict:
+    """What identifies the source file: its content, not where the venv that holds it lives."""
     with open(source, "rb") as f:
         head = f.read(1 << 20)
-    return {"path": str(source), "size_bytes": source.stat().st_size, "sha1_first_mb": hashlib.sha1(head).hexdigest()}
+    return {"size_bytes": source.stat().st_size, "sha1_first_mb": hashlib.sha1(head).hexdigest()}
 
 
 def _filters() -> dict:
@@ -205,7 +206,10 @@ def _manifest_matches(out_dir: Path, expected: dict) -> bool:
         manifest = json.loads((out_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    if any(manifest.get(k) != v for k, v in expected.items()):
+    source = manifest.get("source")
+    if not isinstance(source, dict) or any(source.get(k) != v for k, v in expected["source"].items()):
+        return False
+    if any(manifest.get(k) != v for k, v in expected.items() if k != "source"):
         return False
     return all((out_dir / f"{s}.jsonl").exists() for s in SPLITS)
 
@@ -238,6 +242,7 @@ def build_traces(
         tmp.replace(out_dir / f"{split}.jsonl")
     manifest = {
         **expected,
+        "source": {"path": str(source), **expected["source"]},
         "counts": {s: len(records[s]) for s in SPLITS},
         "dropped": stats,
         "split_rule": "sha1(id) last hex digit: 0-b train, c-d validation, e-f reserved (never written)",
