@@ -247,15 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     _env()
     args = build_parser().parse_args(argv)
     for name in ("requests", "kv_tokens", "max_tokens", "tp", "repeats", "replicas", "batch_size", "rows", "users",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "prompts"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
         return args.func(args)
-    except (ValueError, OSError, RuntimeError) as exc:
-        # NOTE: bad input (a spec, a config, a missing package or file) reads as one line, not
-        # a traceback; pydantic's ValidationError is a ValueError and lists every bad field.
+    except Exception as exc:
+        # NOTE: bad input (a spec, a config, a missing package or file) and a store MLflow cannot
+        # reach or write (locked, unreachable) read as one line, not a traceback; pydantic's
+        # ValidationError is a ValueError and lists every bad field. MLflow is never imported here.
+        mlflow_error = getattr(sys.modules.get("mlflow.exceptions"), "MlflowException", ())
+        if not isinstance(exc, (ValueError, OSError, RuntimeError, mlflow_error)):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,7 +24,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return type(base).model_validate({**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
 
     config = merged(QUICK_TRAIN if args.quick else FULL_TRAIN, {
-        "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed})
+        "epochs": args.epochs, "max_train_examples": args.max_examples, "lr": args.lr, "seed": args.seed,
+        "freeze_embeddings": False if args.train_embeddings else None})
     spec = merged(QUICK_SPEC if args.quick else FULL_SPEC, {
         "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile})
     turns = args.turns or ("first" if args.quick else "all")
@@ -36,11 +37,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from predictor.dataset import examples_hash, read_eval_file, selection_examples
+    from predictor.learned import LearnedPredictor
     from predictor.loading import load_predictor
     from predictor.train import evaluate
 
+    if args.bound_quantile is not None and not 0 < args.bound_quantile <= 1:
+        raise ValueError(f"--bound-quantile is a quantile in (0, 1], got {args.bound_quantile}")
     examples = read_eval_file(Path(args.data)) if args.data else selection_examples()
     predictor = load_predictor(args.version or "champion")
+    if not isinstance(predictor, LearnedPredictor):
+        raise ValueError(f"{args.version or 'champion'!r} is no learned predictor: eval scores the champion, a version or a model directory")
     t0 = time.perf_counter()
     metrics = evaluate(predictor, examples, args.bound_quantile)
     elapsed_s = time.perf_counter() - t0
@@ -56,6 +62,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from predictor.pipeline import champion_metrics, load_predictor
     from predictor.train import evaluate
 
+    registry.get_version_info(args.version)  # an unknown version fails now, not after the evaluation
     if args.force:
         registry.set_champion(args.version)
         print(f"champion -> v{args.version} (forced, no gate)")
@@ -131,6 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--bound-quantile", type=float, help="reservation bound quantile of the predicted distribution")
     t.add_argument("--lr", type=float)
     t.add_argument("--seed", type=int)
+    t.add_argument("--train-embeddings", action="store_true",
+                   help="fine-tune the word embeddings too (frozen by default: half the weights, 2x slower steps on CPU)")
     t.add_argument("--turns", choices=("all", "first"), help="train on every turn of the train conversations (default) or "
                    "on first turns only (default with --quick); the later turns are 2.5x more examples")
     t.add_argument("--no-promote", action="store_true", help="register only; leave the champion alias alone")

@@ -23,12 +23,13 @@ class LengthBuckets(BaseModel):
     def bucket_of(self, output_tokens: int) -> int:
         if output_tokens <= 0:
             return 0
-        return min(math.ceil(output_tokens / self.width_tokens) - 1, self.num_buckets - 1)
+        # NOTE: integers, not n / width: float division put some edges one bucket off (3000 / 35)
+        return min((output_tokens * self.num_buckets - 1) // self.max_tokens, self.num_buckets - 1)
 
     def upper_bound_tokens(self, bucket: int) -> int:
         """Largest length in ``bucket`` (an integer, so ``upper_bound(bucket_of(n)) >= n``)."""
         bucket = min(max(bucket, 0), self.num_buckets - 1)
-        return math.floor((bucket + 1) * self.width_tokens + 1e-9)
+        return (bucket + 1) * self.max_tokens // self.num_buckets
 
     def next_bound_tokens(self, generated_tokens: int) -> int:
         """The bound to re-admit with once ``generated_tokens`` outgrew a reservation: the upper

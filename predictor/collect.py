@@ -28,6 +28,8 @@ def collect_feedback(
     from predictor.feedback import FeedbackWriter
     from predictor.loading import load_predictor_or_max
 
+    if num_prompts < 1 or offset < 0:
+        raise ValueError(f"prompts must be >= 1 and offset >= 0, got {num_prompts} and {offset}")
     records = load_trace(split)[offset : offset + num_prompts]
     if not records:
         raise ValueError(f"no {split} prompts at offset {offset}")

@@ -31,7 +31,7 @@ class FeedbackRecord(BaseModel):
     prompt: str = Field(description="The user message text the predictor reads.")
     prompt_token_ids: list[int] | None = Field(None, description="The prompt's token ids, when kept.")
     predicted_bucket: int | None = Field(None, ge=0, description="The predicted length bucket; None without a predictor.")
-    predicted_bound_tokens: int | None = Field(None, ge=0, description="The output reservation the engine made, in tokens.")
+    predicted_bound_tokens: int | None = Field(None, ge=0, description="The output reservation the engine made at admission, in tokens (before any growth).")
     output_tokens: int = Field(ge=0, description="The number of tokens actually generated.")
     finish_reason: str = Field(description='Why generation ended: "stop", "length", "abort", ...')
     ignore_eos: bool = Field(False, description="The client had EOS ignored (benchmarks, load tests) or forced a "
@@ -93,10 +93,17 @@ class FeedbackWriter:
         with self._lock:
             fd = self._open()
             view = memoryview(data)
-            while view:  # a regular file takes it all in one write; loop only for short writes
-                view = view[os.write(fd, view):]
-            if self.fsync:
-                os.fsync(fd)
+            try:
+                while view:  # a regular file takes it all in one write; loop only for short writes
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            except OSError:
+                # NOTE: the file may end mid-line now; the next record goes to a new file, so the
+                # fragment stays one skipped tail instead of swallowing the next good line
+                os.close(fd)
+                self._fd = None
+                raise
 
     def close(self) -> None:
         """Close the file; a later append opens a new one."""

@@ -18,6 +18,7 @@ from predictor.buckets import LengthBuckets
 
 logger = logging.getLogger(__name__)
 LOOKUPS_FILE = "lookups.json"  # in <home>/mlflow/cache: registry lookups and the store state they saw
+DOWNLOAD_MARKER = ".foreserve-download.json"  # written into a complete cache entry
 
 
 def tracking_uri(uri: str | None = None) -> str:
@@ -74,15 +75,15 @@ def _registry_copy(name: str) -> tuple[Path, str]:
     lookup's answer without importing MLflow (~1.5 s of CPU: a batch job's predictor actor and a
     Serve predictor replica start that much sooner)."""
     if name != "champion" and not name.isdigit():
-        raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory, oracle or max")
+        raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory or max")
     state, lookups_path = _store_state(), paths.home() / "mlflow" / "cache" / LOOKUPS_FILE
     try:
         lookups = json.loads(lookups_path.read_text())
     except (OSError, ValueError):
         lookups = {}
     hit = lookups.get(name) if state is not None else None
-    if hit and hit.get("store") == state and (Path(hit["dir"]) / "predictor.json").is_file():
-        return Path(hit["dir"]), str(hit["version"])
+    if hit and hit.get("store") == state and cached_copy(cache_dir(str(hit["version"]))) == Path(hit["dir"]):
+        return Path(hit["dir"]), str(hit["version"])  # NOTE: a damaged copy misses: the registry repairs it
     from predictor import registry  # NOTE: imports MLflow; only a registry lookup needs it
 
     directory, version = registry.download_version(None if name == "champion" else name)
@@ -95,6 +96,30 @@ def _registry_copy(name: str) -> tuple[Path, str]:
         except OSError:
             tmp.unlink(missing_ok=True)
     return directory, version
+
+
+def cache_dir(version: str) -> Path:
+    """Where registry version ``version``'s download is kept."""
+    return paths.home() / "mlflow" / "cache" / version
+
+
+def bad_files(predictor_dir: Path, manifest: dict[str, int]) -> list[str]:
+    """The manifest entries that are missing or have another size under ``predictor_dir``."""
+    return sorted(rel for rel, size_bytes in manifest.items()
+                  if not (path := predictor_dir / rel).is_file() or path.stat().st_size != size_bytes)
+
+
+def cached_copy(cache: Path, source: str | None = None) -> Path | None:
+    """The predictor dir of a complete, undamaged download in ``cache`` (one registry version's
+    entry), if it came from ``source`` (any, when None); else None."""
+    try:
+        marker = json.loads((cache / DOWNLOAD_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    manifest, predictor_dir = marker.get("manifest"), cache / str(marker.get("predictor"))
+    if (source is not None and marker.get("source") != source) or not manifest or bad_files(predictor_dir, manifest):
+        return None
+    return predictor_dir
 
 
 def resolve_predictor(name: str = "champion") -> tuple[str, str]:

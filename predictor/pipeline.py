@@ -37,11 +37,10 @@ def champion_metrics(evalset: list[Example], eval_hash: str) -> dict[str, float]
     version = registry.champion_version()
     if version is None:
         return None
-    info = registry.get_version_info(version)
-    tags = info.get("tags", {})
-    if tags.get("eval_set_hash") == eval_hash and all(f"metric.{k}" in tags for k in METRICS):
-        return {k: float(tags[f"metric.{k}"]) for k in METRICS}
     try:
+        tags = registry.get_version_info(version).get("tags", {})
+        if tags.get("eval_set_hash") == eval_hash and all(f"metric.{k}" in tags for k in METRICS):
+            return {k: float(tags[f"metric.{k}"]) for k in METRICS}
         return _metrics_only(evaluate(load_predictor(version), evalset))
     except Exception as exc:  # noqa: BLE001 - a broken champion loses to any working candidate
         logger.error("champion v%s cannot be evaluated (%s); treating it as absent", version, exc)
@@ -71,17 +70,21 @@ def train_and_register(
     run_id = registry.start_run(params, tags={"source": source, "eval_set_hash": eval_hash})
     registry.log_eval_hash(run_id, eval_hash)
     t0 = time.perf_counter()
-    model, tokenizer, history = train_model(
-        train, evalset, spec, config, init=init,
-        on_epoch=lambda epoch, metrics: registry.log_epoch(run_id, epoch, metrics),
-    )
-    final = _metrics_only(history[-1])
-    with tempfile.TemporaryDirectory(prefix="length-predictor-") as tmp:
-        model.save(Path(tmp) / "model", tokenizer)
-        version = registry.finish_run(
-            run_id, Path(tmp) / "model", {**final, "train_s": time.perf_counter() - t0},
-            tags={"source": source, "eval_set_hash": eval_hash},
+    try:
+        model, tokenizer, history = train_model(
+            train, evalset, spec, config, init=init,
+            on_epoch=lambda epoch, metrics: registry.log_epoch(run_id, epoch, metrics),
         )
+        final = _metrics_only(history[-1])
+        with tempfile.TemporaryDirectory(prefix="length-predictor-") as tmp:
+            model.save(Path(tmp) / "model", tokenizer)
+            version = registry.finish_run(
+                run_id, Path(tmp) / "model", {**final, "train_s": time.perf_counter() - t0},
+                tags={"source": source, "eval_set_hash": eval_hash},
+            )
+    except BaseException:  # an error or Ctrl-C: the run ends FAILED instead of staying RUNNING
+        registry.fail_run(run_id)
+        raise
     summary = {"version": version, "run_id": run_id, "metrics": final, "eval_set_hash": eval_hash,
                "train_s": round(time.perf_counter() - t0, 1), "promoted": False, "gate": "not run"}
     if promote:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from predictor.loading import tracking_uri
+from predictor.loading import DOWNLOAD_MARKER, bad_files, cache_dir, cached_copy, tracking_uri
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is first imported; no network
 import mlflow  # noqa: E402
@@ -32,7 +32,6 @@ EXPERIMENT = "length-predictor"
 PREDICTOR_ARTIFACT = "predictor"  # key of the directory in the pyfunc model's artifacts
 WITHIN1_GUARD = 0.02  # how much within-1-bucket accuracy a winner may lose
 _MANIFEST_KEY = "predictor_manifest"  # MLmodel metadata: {relative path: size in bytes}
-_MARKER = ".foreserve-download.json"  # written into a complete cache entry
 
 _clients: dict[str, MlflowClient] = {}  # tracking uri -> client whose experiment exists
 
@@ -103,6 +102,11 @@ def log_epoch(run_id: str, epoch: int, metrics: dict[str, float]) -> None:
 def log_eval_hash(run_id: str, eval_hash: str) -> None:
     """Record which eval set the run's metrics come from (param and tag ``eval_set_hash``)."""
     configure().log_batch(run_id, params=[Param("eval_set_hash", eval_hash)], tags=[RunTag("eval_set_hash", eval_hash)])
+
+
+def fail_run(run_id: str) -> None:
+    """End a run whose training failed (status FAILED), so that it does not stay RUNNING."""
+    configure().set_terminated(run_id, "FAILED")
 
 
 def finish_run(
@@ -215,10 +219,12 @@ def promote_if_better(
     stored, trained_on = _tag_metrics(mv.tags), mv.tags.get("eval_set_hash")
     if trained_on not in (None, eval_hash) and all(stored.get(k) == float(v) for k, v in candidate_metrics.items()):
         accepted, reason = False, f"eval set mismatch: v{mv.version}'s metrics are on {trained_on}, not {eval_hash}"
-    elif champion_version(client) == str(mv.version):
+    elif (current := champion_version(client)) == str(mv.version):
         accepted, reason = True, "already champion"
     else:
         accepted, reason = gate(candidate_metrics, champion_metrics)
+        if champion_metrics is None and current is not None:
+            reason = f"champion v{current} could not be evaluated; a working candidate replaces it"
     if accepted:
         client.set_registered_model_alias(MODEL_NAME, CHAMPION, str(mv.version))
     decision = {"gate": "accepted" if accepted else "rejected", "gate_reason": reason, "gate_eval_set_hash": eval_hash}
@@ -235,8 +241,8 @@ def download_version(version: str | None = None) -> tuple[Path, str]:
         raise RegistryError(f"no champion version of {MODEL_NAME} in {tracking_uri()}; {hint}")
     mv = _get_version(version)[1]
     version = str(mv.version)
-    cache = paths.home() / "mlflow" / "cache" / version
-    if (cached := _cached(cache, mv.source)) is not None:
+    cache = cache_dir(version)
+    if (cached := cached_copy(cache, mv.source)) is not None:
         return cached, version
     tmp = _mkdir(cache.parent) / f".tmp-{version}-{uuid.uuid4().hex}"
     try:
@@ -249,16 +255,20 @@ def download_version(version: str | None = None) -> tuple[Path, str]:
         manifest = (model.metadata or {}).get(_MANIFEST_KEY)
         if not artifact.get("path") or not manifest:
             raise RegistryError(f"{MODEL_NAME} v{version} is not a foreserve predictor (no '{PREDICTOR_ARTIFACT}')")
-        if bad := _bad_files(tmp / artifact["path"], manifest):
+        if bad := bad_files(tmp / artifact["path"], manifest):
             raise RegistryError(f"{MODEL_NAME} v{version} ({mv.source}): files missing or truncated: {bad[:5]}")
         marker = {"source": mv.source, "predictor": artifact["path"], "manifest": manifest}
-        (tmp / _MARKER).write_text(json.dumps(marker))
-        shutil.rmtree(cache, ignore_errors=True)  # a stale or damaged copy
-        with contextlib.suppress(OSError):  # fails if another process put its copy there first
+        (tmp / DOWNLOAD_MARKER).write_text(json.dumps(marker))
+        try:
             tmp.rename(cache)
+        except OSError:  # an entry is there: another process's good copy (keep it) or a stale one
+            if cached_copy(cache, mv.source) is None:
+                shutil.rmtree(cache, ignore_errors=True)
+                with contextlib.suppress(OSError):  # lost the race to another repair: checked below
+                    tmp.rename(cache)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if (cached := _cached(cache, mv.source)) is None:
+    if (cached := cached_copy(cache, mv.source)) is None:
         raise RegistryError(f"cache entry {cache} of {MODEL_NAME} v{version} is unusable")
     return cached, version
 
@@ -269,21 +279,3 @@ def _manifest(model_dir: Path) -> dict[str, int]:
     if not files:
         raise ValueError(f"model dir {model_dir} is missing or empty")
     return {p.relative_to(model_dir).as_posix(): p.stat().st_size for p in files}
-
-
-def _bad_files(predictor_dir: Path, manifest: dict[str, int]) -> list[str]:
-    """The manifest entries that are missing or have another size under ``predictor_dir``."""
-    return sorted(rel for rel, size_bytes in manifest.items()
-                  if not (path := predictor_dir / rel).is_file() or path.stat().st_size != size_bytes)
-
-
-def _cached(cache: Path, source: str) -> Path | None:
-    """The cached predictor dir if the entry is complete, comes from ``source`` and is undamaged."""
-    try:
-        marker = json.loads((cache / _MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    manifest, predictor_dir = marker.get("manifest"), cache / str(marker.get("predictor"))
-    if marker.get("source") != source or not manifest or _bad_files(predictor_dir, manifest):
-        return None
-    return predictor_dir

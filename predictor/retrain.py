@@ -78,13 +78,16 @@ def mark_retrained(root: Path | None = None, when_s: float | None = None) -> Non
 
 
 def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets: LengthBuckets) -> str | None:
-    """Why to retrain on these new records now, or None."""
+    """Why to retrain on these new records now, or None. Only labels (``feedback_examples``) count
+    toward ``min_records`` and ``every_records``; the misprediction window also takes answers cut by
+    their own short max_tokens, which can show a prediction too short."""
     usable = [r for r in records if r.finish_reason in ("stop", "length") and not r.ignore_eos]
-    if len(usable) < policy.min_records:
+    labels = len(feedback_examples(usable, buckets.max_tokens))
+    if labels < policy.min_records:
         return None
-    if len(usable) >= policy.every_records:
-        return f"{len(usable)} new feedback records (every {policy.every_records})"
-    window = usable[-policy.window_records :]
+    if labels >= policy.every_records:
+        return f"{labels} new labelled feedback records (every {policy.every_records})"
+    window = sorted(usable, key=lambda r: r.timestamp_s)[-policy.window_records :]  # across all writers' files
     rate = sum(mispredicted(r, buckets) for r in window) / len(window)
     if rate > policy.mispredict_rate:
         return f"misprediction rate {rate:.2f} over the last {len(window)} records > {policy.mispredict_rate}"
@@ -119,6 +122,7 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
 
     policy = policy or RetrainPolicy()
     root = root or feedback_dir()
+    started_s = time.time()  # NOTE: before the scan: a record written during it counts next time
     records, skipped = scan_feedback(root)
     new = records if force else records_since_last_retrain(records, root)
     directory, version = registry.download_version()  # cached: no weights loaded unless we retrain
@@ -133,7 +137,6 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     random.Random(0).shuffle(original)
     mix = train + original[: policy.original_examples]
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
-    started_s = time.time()
     summary = pipeline.train_and_register(
         config, spec, train=mix, evalset=holdout, source="feedback", promote=promote and policy.gate,
         init=LengthModel.load(directory),

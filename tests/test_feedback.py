@@ -122,6 +122,29 @@ def test_truncated_and_garbage_lines_are_skipped(tmp_path: Path) -> None:
     assert count_feedback(tmp_path) == 5
 
 
+def test_a_failed_write_costs_only_its_own_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full mid-record: the file ends mid-line. The next record must not be glued onto it."""
+    writer = FeedbackWriter(tmp_path, fsync=False)
+    writer.append(make_record("ok1"))
+    real_write, calls = os.write, []
+
+    def short_then_fail(fd, data):
+        calls.append(1)
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:20]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", short_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        writer.append(make_record("lost"))
+    monkeypatch.setattr(os, "write", real_write)
+    writer.append(make_record("ok2"))
+    writer.close()
+    records, skipped_lines = scan_feedback(tmp_path)
+    assert sorted(r.request_id for r in records) == ["ok1", "ok2"] and skipped_lines == 1
+    assert len(list(tmp_path.glob("*.jsonl"))) == 2
+
+
 def test_missing_root_is_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_feedback(tmp_path / "nope") == []
     assert scan_feedback(tmp_path / "nope") == ([], 0)

@@ -36,6 +36,15 @@ def test_upper_bounds_are_integers_covering_the_range():
     assert [B.upper_bound_tokens(b) for b in range(10)] == [102, 204, 307, 409, 512, 614, 716, 819, 921, 1024]
 
 
+@pytest.mark.parametrize("max_tokens,num_buckets", [(1024, 10), (3000, 35), (1000, 7), (4096, 13), (5, 10)])
+def test_every_length_sits_in_the_bucket_whose_bound_covers_it(max_tokens, num_buckets):
+    b = LengthBuckets(max_tokens=max_tokens, num_buckets=num_buckets)
+    for n in range(1, max_tokens + 1):
+        k = b.bucket_of(n)  # n in (k*M/N, (k+1)*M/N], exactly
+        assert k * max_tokens < n * num_buckets <= (k + 1) * max_tokens
+        assert b.upper_bound_tokens(k) >= n and (k == 0 or b.upper_bound_tokens(k - 1) < n)
+
+
 def test_oracle_gives_a_repeated_prompt_each_of_its_lengths_in_order():
     # ShareGPT repeats prompts with other answers: keyed by text alone, all but one got a wrong bucket
     oracle = OraclePredictor([("hi", 50), ("bye", 300), ("hi", 900)], B)
@@ -174,7 +183,7 @@ def test_engine_writes_one_feedback_record_per_finished_request(tmp_path):
     from app.engine.request import SamplingParams
     from predictor.feedback import FeedbackWriter
 
-    engine = make_engine(allocation="reserve_predicted", kv_tokens=512, eos_at={"eos": 7})
+    engine = make_engine(allocation="reserve_predicted", kv_tokens=512, eos_at={"eos": 7, "over": 25})
     engine.feedback = FeedbackWriter(tmp_path)
     engine.add_request([5] * 8, SamplingParams(max_tokens=30, ignore_eos=True), request_id="long",
                        predictor_text="write a lot", prediction=(0, None, 10), predictor_version="3", tier="offline")
@@ -182,17 +191,23 @@ def test_engine_writes_one_feedback_record_per_finished_request(tmp_path):
                        prediction=(0, None, 10), predictor_version="3")
     engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="gone", predictor_text="bye",
                        prediction=(0, None, 10))
+    engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="over", predictor_text="tell me more",
+                       prediction=(0, None, 10))
     engine.add_request([5] * 8, SamplingParams(max_tokens=30), request_id="untracked")  # no predictor text
     assert engine.abort("gone")
     run_all(engine)
     by_id = {r.request_id: r for r in read_feedback(tmp_path)}
-    assert sorted(by_id) == ["eos", "gone", "long"]
+    assert sorted(by_id) == ["eos", "gone", "long", "over"]
     assert (by_id["long"].output_tokens, by_id["long"].finish_reason, by_id["long"].tier) == (30, "length", "offline")
     assert by_id["long"].source == "offline" and by_id["long"].predictor_version == "3"
     assert (by_id["eos"].output_tokens, by_id["eos"].finish_reason) == (7, "stop")  # EOS counted
     assert by_id["long"].ignore_eos and not by_id["eos"].ignore_eos  # a client's length is no label
     assert by_id["eos"].predicted_bound_tokens == 10 and by_id["eos"].prompt == "say hi"
     assert (by_id["gone"].output_tokens, by_id["gone"].finish_reason) == (0, "abort")
+    # the bound as admitted, not as grown: an answer that outgrew it is a misprediction
+    over = by_id["over"]
+    assert (over.output_tokens, over.predicted_bound_tokens, by_id["long"].predicted_bound_tokens) == (25, 10, 10)
+    assert mispredicted(over, LengthBuckets(max_tokens=1024, num_buckets=10))
 
 
 def _record(i: int, out: int, bound: int | None, bucket: int | None, reason: str = "stop",
@@ -218,7 +233,13 @@ def test_feedback_labels_and_retrain_trigger():
     calm = [_record(i, 50, 102, 0) for i in range(6)]
     assert trigger_reason(calm, policy, B) is None
     assert "misprediction rate" in trigger_reason(calm + [_record(9, 900, 102, 0)] * 3, policy, B)
-    assert "new feedback records" in trigger_reason(calm * 2, policy, B)
+    assert "new labelled feedback records" in trigger_reason(calm * 2, policy, B)
+    censored = [_record(3, 200, 1024, 9, "length")] * 8  # "at least 200": no label, counts toward no total
+    assert trigger_reason(calm[:3] + censored, policy, B) is None
+    # the window is the latest records by time, whatever order the writers' files were read in
+    late_calm = [r.model_copy(update={"timestamp_s": 2e9}) for r in calm]
+    early_bad = [_record(9, 900, 102, 0).model_copy(update={"timestamp_s": 1e9})] * 3
+    assert trigger_reason(late_calm + early_bad, policy, B) is None
     assert trigger_reason(calm + forced * 4, policy, B) is None  # forced lengths count toward nothing
     assert is_holdout("same text", 0.2) == is_holdout("same text", 0.2)
     assert 0.1 < np.mean([is_holdout(f"prompt {i}", 0.2) for i in range(2000)]) < 0.3

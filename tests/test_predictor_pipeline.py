@@ -66,6 +66,20 @@ def test_train_register_promote_and_serve(home: Path, tmp_path: Path, capsys):
     assert main(["predictor", "list"]) == 0
     listing = capsys.readouterr().out
     assert "champion" in listing and "rejected" in listing
+    # bad input: one line and exit 2, never a traceback
+    assert main(["predictor", "eval", "--data", str(data), "--version", "max"]) == 2
+    assert main(["predictor", "eval", "--data", str(data), "--bound-quantile", "80"]) == 2
+    assert main(["predictor", "promote", "9"]) == 2
+    assert main(["predictor", "collect", "--prompts", "-1"]) == 2
+    errors = capsys.readouterr().err
+    assert "no learned predictor" in errors and "(0, 1]" in errors and "version 9 does not exist" in errors
+    assert "--prompts must be >= 1" in errors
+
+    # a training that fails leaves no run RUNNING
+    with pytest.raises(ValueError, match="no training examples"):
+        train_and_register(CONFIG, SPEC, train=[], evalset=EVAL)
+    runs = MlflowClient().search_runs([run.info.experiment_id], order_by=["start_time DESC"], max_results=1)
+    assert runs[0].info.status == "FAILED"
 
 
 def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
@@ -94,7 +108,7 @@ def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypa
                 finish_reason="stop", tier="online", model_id="SmolLM2-135M-Instruct", predictor_version="1"))
     result = retrain_from_feedback(policy)
     assert result["retrained"] and result["version"] == "2" and result["parent_version"] == "1"
-    assert "new feedback records" in result["reason"]
+    assert "new labelled feedback records" in result["reason"]
     info = registry.get_version_info("2")
     assert info["tags"]["source"] == "feedback"
     assert not retrain_from_feedback(policy)["retrained"]  # nothing new since

@@ -120,6 +120,9 @@ def test_gate_and_promotion(tmp_path: Path) -> None:
     assert registry.promote_if_better(v3, better, GOOD, eval_hash="h1") == (True, "already champion")
     assert registry.get_version_info(v3)["tags"]["gate"] == "accepted"
     assert registry.get_version_info(v3)["tags"]["gate_eval_set_hash"] == "h1"
+    v4 = train(tmp_path, worse_tau, seed=4)  # the champion exists but could not be evaluated (None)
+    accepted, reason = registry.promote_if_better(v4, worse_tau, None, eval_hash="h1")
+    assert accepted and reason == f"champion v{v3} could not be evaluated; a working candidate replaces it"
 
 
 def test_list_versions_newest_first(tmp_path: Path) -> None:
@@ -166,6 +169,28 @@ def test_errors(home: Path, tmp_path: Path) -> None:
     assert not (home / "mlflow" / "cache" / version).exists()
 
 
+def test_concurrent_first_download_keeps_the_copy_already_there(home: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes miss the cache at once; the one that finishes second must not delete the
+    first one's copy, which the first may be loading already."""
+    version = train(tmp_path, GOOD)
+    real = mlflow.artifacts.download_artifacts
+    other: dict = {}
+
+    def slow_download(**kwargs):
+        out = real(**kwargs)
+        if not other:  # meanwhile another process finishes its own download
+            other["busy"] = True
+            other["dir"] = registry.download_version(version)[0]
+            other["inode"] = (other["dir"] / "model.safetensors").stat().st_ino
+        return out
+
+    monkeypatch.setattr(mlflow.artifacts, "download_artifacts", slow_download)
+    local_dir, _ = registry.download_version(version)
+    assert local_dir == other["dir"] and (local_dir / "model.safetensors").stat().st_ino == other["inode"]
+    assert [p.name for p in (home / "mlflow" / "cache").iterdir()] == [version]  # no temp left behind
+
+
 def test_tags_reach_the_version(tmp_path: Path) -> None:
     version = train(tmp_path, GOOD, tags={"source": "feedback"})
     run_id = registry.start_run({"lr": 1e-4})
@@ -198,5 +223,8 @@ def test_lookup_in_an_unchanged_store_needs_no_mlflow(tmp_path: Path, monkeypatc
     registry.set_champion(register(1))
     directory, version = loading._registry_copy("champion")
     assert version == "2" and lookups == [None, None] and (directory / "predictor.json").is_file()
+    (directory / "model.safetensors").write_bytes(b"cut")  # a damaged copy is no hit: the registry repairs it
+    assert loading._registry_copy("champion") == (directory, "2") and lookups == [None, None, None]
+    assert (directory / "model.safetensors").stat().st_size > 3
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
     assert loading._store_state() is None  # a remote store is always asked

@@ -66,7 +66,7 @@ class LLMEngine:
         self._max_predictor = MaxPredictor(self.buckets)
         self.predictor_fallbacks = 0
         self.feedback = feedback
-        self._feedback_info: dict[str, tuple[str, str | None]] = {}
+        self._feedback_info: dict[str, tuple[str, str | None, int]] = {}
         self.pool = KVPool(num_blocks, config.block_size_tokens)
         self.policy = make_policy(config.allocation, self.pool, self.buckets, config.max_model_len_tokens)
         self._sim_clock_s = 0.0
@@ -186,7 +186,8 @@ class LLMEngine:
         req.predicted_output_tokens = min(max(req.predicted_output_tokens, req.num_output_tokens + 1), sampling.max_tokens)
         self.scheduler.add(req)
         if self.feedback is not None and predictor_text is not None:
-            self._feedback_info[req.request_id] = (predictor_text, predictor_version)
+            # NOTE: the bound as admitted; growth and preemption raise req.predicted_output_tokens later
+            self._feedback_info[req.request_id] = (predictor_text, predictor_version, req.predicted_output_tokens)
         if detokenize and self.tokenizer is not None and not stream_text and not sampling.stop and not emitted_chars:
             self._detok[req.request_id] = FinalText(self.tokenizer)
         elif detokenize and self.tokenizer is not None:
@@ -220,13 +221,13 @@ class LLMEngine:
             return
         from predictor.feedback import FeedbackRecord
 
-        text, version = info
+        text, version, bound = info
         try:
             self.feedback.append(FeedbackRecord(
                 request_id=req.request_id,
                 prompt=text,
                 predicted_bucket=req.predicted_bucket if req.predicted_bucket >= 0 else None,
-                predicted_bound_tokens=req.predicted_output_tokens,
+                predicted_bound_tokens=bound,
                 output_tokens=req.num_output_tokens,
                 finish_reason=FINISH_REASONS.get(req.finish_reason or "", req.finish_reason or "unknown"),
                 ignore_eos=req.sampling.ignore_eos or req.force_true_length,
