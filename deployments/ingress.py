@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -66,6 +67,15 @@ async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+@app.exception_handler(RequestValidationError)
+async def _query_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A bad query or path parameter (``GET /v1/batches?limit=abc``): OpenAI's 400, not FastAPI's 422."""
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    err = errors.bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param)
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     err = errors.APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
@@ -82,9 +92,9 @@ class Ingress:
         self.config = AppConfig.model_validate(config)
         self.pools = {"online": online, "offline": offline}
         self.predictor = predictor
-        self.engine_config = self.config.pools["online"]
-        self.model_id = self.engine_config.served_model_name
-        self.tokenizer = load_tokenizer(self.engine_config.model_path)
+        online = self.config.pools["online"]  # NOTE: both pools serve the same model
+        self.model_id = online.served_model_name
+        self.tokenizer = load_tokenizer(online.model_path)
         env_keys = [k.strip() for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k.strip()]
         self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
         self.metrics = RequestMetrics()
@@ -223,7 +233,7 @@ class Ingress:
         raw = await self._body(request, limit)
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             raise errors.bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
         if not isinstance(data, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -240,13 +250,14 @@ class Ingress:
         return body
 
     def _tokenize(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
-        """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context."""
-        config = self.engine_config
+        """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context of
+        the pool that will serve it."""
+        config = self.config.pools[body.pool]
         return chat_prompt(self.tokenizer, body, config.max_model_len_tokens, config.default_max_tokens)
 
-    async def _predict(self, text: str, tier: str) -> dict | None:
-        """The predictor's answer, or None (reserve max_tokens) if it fails or is too slow."""
-        response = self.predictor.predict.remote(text)
+    async def _predict(self, response, tier: str) -> dict | None:
+        """The predictor's answer to ``response`` (a sent ``predict`` call), or None (reserve
+        max_tokens) if it fails or is too slow."""
         try:
             return await asyncio.wait_for(response, self.config.predictor.timeout_ms / 1000)
         except Exception as exc:  # noqa: BLE001 - never an error for the user
@@ -260,13 +271,13 @@ class Ingress:
         t0 = time.perf_counter()
         tier = body.tier
         text = body.predictor_text()
-        prediction = asyncio.ensure_future(self._predict(text, tier))  # overlaps the chat template
+        response = self.predictor.predict.remote(text)  # NOTE: sent now, so it overlaps the chat template
         try:
             ids, max_tokens = self._tokenize(body)
         except errors.APIError:
-            prediction.cancel()
+            response.cancel()
             raise
-        pred = await prediction
+        pred = await self._predict(response, tier)
         request = GenerateRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             prompt_token_ids=ids,
@@ -376,7 +387,8 @@ class Ingress:
             self._observe(result)
         except Exception as exc:  # noqa: BLE001 - headers are gone: report in-band, then end the stream
             logger.exception("stream %s failed", result.request_id)
-            yield "data: " + json.dumps(errors.unavailable(f"generation failed: {exc}").body()) + "\n\n"
+            err = exc if isinstance(exc, errors.APIError) else errors.unavailable(f"generation failed: {exc}")
+            yield "data: " + json.dumps(err.body()) + "\n\n"  # e.g. a resume refused with 429 stays a 429's body
         finally:
             # NOTE: closing the generator cancels the engine stream in use when the client went away
             await items.aclose()

@@ -32,6 +32,7 @@ class LengthPredictorServer:
         self.config = PredictorConfig.model_validate(config or {})
         self._predictor = self._load()
         self.swaps = 0
+        self.poll_errors = 0
         self.trigger = trigger
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -73,9 +74,15 @@ class LengthPredictorServer:
 
     def _poll(self) -> None:
         while not self._stop.wait(self.config.poll_s):
-            self.refresh()
-            if self.trigger is not None:
-                self.trigger.tick(self._predictor)
+            try:
+                self.refresh()
+                if self.trigger is not None:
+                    self.trigger.tick(self._predictor)
+            except Exception:  # noqa: BLE001 - one bad poll (a version that fails its warm-up,
+                # a feedback file gone mid-scan) must not end hot swap and retraining for good
+                self.poll_errors += 1
+                logger.exception("predictor poll failed; serving version %s, next poll in %.0f s",
+                                 self.version, self.config.poll_s)
 
     def predict_batch(self, texts: list[str]) -> list[dict]:
         predictor = self._predictor
@@ -105,6 +112,7 @@ class RetrainTrigger:
         self.running = None  # ObjectRef of the retraining task in flight
         self.last_summary: dict | None = None
         self.submitted = 0
+        self.hold_until_s = 0.0  # after a retrain that failed or declined: no new one before this
 
     def tick(self, predictor) -> None:
         import ray
@@ -122,6 +130,10 @@ class RetrainTrigger:
                 self.last_summary = {"retrained": False, "reason": f"failed: {exc}"}
                 logger.error("predictor retraining failed: %s", exc)
             self.running = None
+            if not self.last_summary.get("retrained"):  # NOTE: else the next poll would submit it again
+                self.hold_until_s = time.monotonic() + self.policy.retry_after_s
+        if time.monotonic() < self.hold_until_s:
+            return
         spec = getattr(predictor, "spec", None)
         if spec is None:
             return  # no learned champion to continue from
@@ -164,7 +176,8 @@ class PredictorDeployment:
         return await asyncio.to_thread(self.server.predict_batch, texts)
 
     def info(self) -> dict:
-        info = {"version": self.server.version, "swaps": self.server.swaps, "up_s": time.time() - self.started_s}
+        info = {"version": self.server.version, "swaps": self.server.swaps, "poll_errors": self.server.poll_errors,
+                "up_s": time.time() - self.started_s}
         if self.server.trigger is not None:
             info.update(self.server.trigger.info())
         return info

@@ -39,6 +39,7 @@ class RetrainPolicy(BaseModel):
     lr: float = Field(3e-5, gt=0, description="Encoder learning rate when continuing from the champion.")
     gate: bool = Field(True, description="Promote only a candidate that beats the champion on the held-out feedback; false promotes every retrained version (demos, tests).")
     num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by the retraining task.")
+    retry_after_s: float = Field(600.0, ge=0, description="After a retrain that failed or was declined (too little usable feedback), wait this long before the next.")
 
 
 def is_holdout(text: str, frac: float) -> bool:

@@ -25,6 +25,12 @@ def error_of(body: dict) -> APIError:
     return from_validation_error(info.value)
 
 
+def test_features_left_off_are_accepted():
+    off = req(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False, top_logprobs=0,
+              logit_bias={}, presence_penalty=0, frequency_penalty=0.0, metadata={"k": "v"})
+    assert off.pool == "online"
+
+
 def test_defaults_tiers_and_text():
     r = req(messages=[{"role": "developer", "content": "be brief"},
                       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
@@ -44,6 +50,11 @@ def test_defaults_tiers_and_text():
     ({**OK, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({**OK, "top_p": 0}, "top_p", "greater than 0"),
     ({**OK, "service_tier": "gold"}, "service_tier", "flex"),
+    ({**OK, "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools is not supported"),
+    ({**OK, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({**OK, "logprobs": True}, "logprobs", "not supported"),
+    ({**OK, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     ({"messages": OK["messages"]}, "model", "required"),
 ])

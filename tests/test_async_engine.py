@@ -57,3 +57,16 @@ async def test_rejected_request_raises_to_the_caller(aengine):
     with pytest.raises(RequestRejected):
         await collect(aengine, "big", **request(200, 100))
     assert aengine.healthy
+
+
+async def test_a_duplicate_id_is_refused_and_the_first_stream_keeps_its_tokens(aengine):
+    first = aengine.generate(request_id="dup", **request(5, 30))
+    assert (await first.__anext__()).num_output_tokens == 1
+    with pytest.raises(ValueError, match="duplicate request id 'dup'"):
+        await collect(aengine, "dup", **request(5, 3))
+    async def drain():
+        return [out async for out in first]
+
+    rest = await asyncio.wait_for(drain(), timeout=30)  # before the fix the refused caller dropped this stream
+    assert rest[-1].finished and rest[-1].num_output_tokens == 30
+    assert aengine.engine.pool.num_used_blocks == 0

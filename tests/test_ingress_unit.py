@@ -86,9 +86,8 @@ def test_a_slow_predictor_falls_back_to_max_and_is_counted():
     response = _SlowResponse()
     ingress = object.__new__(Ingress.func_or_class)
     ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "predictor": {"timeout_ms": 20}})
-    ingress.predictor = type("H", (), {"predict": type("M", (), {"remote": staticmethod(lambda text: response)})()})()
     ingress.metrics, ingress.predictor_fallbacks = _Metrics(), 0
-    assert asyncio.run(ingress._predict("hi", "online")) is None
+    assert asyncio.run(ingress._predict(response, "online")) is None
     assert response.cancelled and ingress.predictor_fallbacks == 1 and ingress.metrics.fallbacks == ["online"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,48 @@ def test_fallback_then_hot_swap_to_each_new_champion(home: Path):  # noqa: F811
         assert server.refresh() and server.version == "2"
     finally:
         server.close()
+
+
+def test_a_failing_poll_does_not_end_the_poller(home: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: F811
+    server = LengthPredictorServer({"poll_s": 0.02})
+    calls = []
+
+    def flaky_refresh():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("new version failed its warm-up")
+        return False
+
+    monkeypatch.setattr(server, "refresh", flaky_refresh)
+    try:
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(calls) >= 3 and server.poll_errors == 1  # it polled on after the error
+    finally:
+        server.close()
+
+
+def test_a_declined_retrain_holds_the_trigger(monkeypatch: pytest.MonkeyPatch):
+    import ray
+
+    import predictor.retrain
+    from app.config import PredictorConfig
+    from deployments.predictor import RetrainTrigger
+
+    trigger = RetrainTrigger(PredictorConfig.model_validate({"retrain": {"retry_after_s": 600}}))
+    trigger.running = "task"
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda ref: {"retrained": False, "reason": "too little usable feedback"})
+    due = []
+    monkeypatch.setattr(predictor.retrain, "retrain_due", lambda policy, spec: due.append(1))
+    champion = type("Learned", (), {"spec": SPEC})()
+    trigger.tick(champion)
+    trigger.tick(champion)
+    assert trigger.running is None and due == [] and trigger.hold_until_s > time.monotonic() + 500
+    trigger.hold_until_s = 0.0
+    trigger.tick(champion)
+    assert due == [1]
 
 
 @pytest.mark.slow

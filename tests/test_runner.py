@@ -267,6 +267,19 @@ def test_sampler_top_k_and_top_p_restrict_support():
     assert seen_p == {0}  # token 0 alone holds ~0.71 of the mass
 
 
+def test_sampler_survives_extreme_but_valid_values():
+    """Values the API accepts must not crash the engine loop (one request would fail them all)."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]])
+    s = Sampler()
+    assert _params(temperature=1e-50).greedy
+    assert s.sample(logits, ["t"], [_params(temperature=1e-50, seed=1)], [0]) == [0]
+    assert s.sample(logits, ["p"], [_params(top_p=1e-50, seed=1)], [0]) == [0]  # top_p 0 in float32
+    for seed in (2**63 - 1, -(2**63)):
+        assert s.sample(logits, [f"s{seed}"], [_params(seed=seed)], [0])[0] in range(5)
+    with pytest.raises(ValueError, match="less than or equal"):
+        _params(seed=2**64)
+
+
 def test_sampler_seed_reproducible_and_drop():
     logits = torch.zeros(1, 1000)
     p = _params(temperature=1.0, seed=7)

@@ -234,7 +234,8 @@ class LetterTokenizer:
         return [ord(ch) - 97 for ch in text]
 
 
-def test_stop_string_truncates_and_finishes():
+@pytest.mark.parametrize("max_tokens", [30, 8])  # 8: the stop string completes on the last allowed token
+def test_stop_string_truncates_and_finishes(max_tokens):
     engine = make_engine("paged")
     engine.tokenizer = LetterTokenizer()
     runner = engine.runner
@@ -243,7 +244,7 @@ def test_stop_string_truncates_and_finishes():
     expected = letters[: letters.find(stop)]
     engine.add_request(
         prompt_token_ids=[5] * 4,
-        sampling=SamplingParams(max_tokens=30, temperature=0.0, stop=(stop,)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=(stop,)),
         request_id="s",
         prediction=(0, None, 30),
     )
@@ -368,3 +369,39 @@ def test_step_time_model_extrapolates_past_the_largest_step_run():
         model.observe(tokens, step_s)
     assert model.max_tokens_within(0.2) == 16  # proportional past 8 tokens: 0.1 s * 16 / 8
     assert model.max_tokens_within(0.07) == 3  # interpolated between 2 (60 ms) and 4 (80 ms)
+
+
+def test_the_lowest_priority_decode_yields_itself_not_a_prefill_ahead_of_it():
+    """Decodes are scheduled before prefill chunks; when the last-in-line decode runs the pool dry,
+    it must not evict a higher-priority request that is still prefilling (the documented rule:
+    the lowest-priority sequence yields)."""
+    engine = make_engine("paged", "fcfs", kv_tokens=64, max_num_batched_tokens=8)  # 4 blocks, chunked prefill
+    low = add(engine, "low", 8, 40, priority=0)
+    for _ in range(4):
+        engine.step()
+    high = add(engine, "high", 40, 2, priority=5)  # 3 blocks once prefilled, in chunks of <= 8 tokens
+    run_all(engine)
+    assert (low.num_output_tokens, high.num_output_tokens) == (40, 2)
+    assert high.num_preemptions == 0 and low.num_preemptions >= 1
+    assert high.finished_s < low.finished_s
+
+
+@pytest.mark.parametrize("max_overtakes", [8, 10**9])
+def test_offline_packing_cannot_starve_a_large_request(max_overtakes):
+    """Decreasing first-fit skips a request that does not fit and fills the hole with smaller ones;
+    under a steady stream of small ones the large one would never fit. After max_overtakes such
+    passes the queue waits for it."""
+    engine = make_engine("reserve_predicted", "offline", kv_tokens=32, max_overtakes=max_overtakes)
+    add(engine, "s0", 4, 2, predicted=2)
+    engine.step()
+    long = add(engine, "long", 28, 4, predicted=4)  # both blocks: never fits beside a short one
+    done_at = None
+    for step in range(1, 200):
+        add(engine, f"s{step}", 4, 2, predicted=2)
+        if any(out.request_id == "long" and out.finished for out in engine.step()):
+            done_at = step
+            break
+    if max_overtakes == 8:
+        assert done_at is not None and long.num_overtaken == 8 and done_at < 8 * 3 + 10
+    else:
+        assert done_at is None and long.num_overtaken > 50  # what the bound prevents

@@ -129,6 +129,8 @@ BAD = [  # (what, body or raw bytes, status, param)
     ("unknown model", {"model": "gpt-17"}, 404, "model"),
     ("body too large", {"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, None),
     ("kv pool too small", {"max_tokens": 1600}, 400, "max_tokens"),
+    ("json nested too deep", b"[" * 5000, 400, None),
+    ("seed past int64", {"seed": 2**64}, 400, "seed"),
 ]
 
 
@@ -153,6 +155,17 @@ def test_api_keys_and_unknown_routes(served):
     missing = httpx.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
     assert missing.status_code == 404 and "error" in missing.json()
     assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    bad_query = httpx.get(url + "/v1/batches?limit=abc", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad_query.status_code == 400 and bad_query.json()["error"]["param"] == "limit"
+
+
+def test_extreme_sampling_values_do_not_crash_the_engine(served):
+    """1e-50 passes the API's bounds but is 0 in float32: the engine must answer, and keep answering."""
+    for extreme in ({"temperature": 1e-50}, {"top_p": 1e-50}, {"seed": 2**63 - 1}):
+        r = httpx.post(served["url"] + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 2, **extreme})
+        assert r.status_code == 200, (extreme, r.text)
 
 
 def _online_stats() -> dict:

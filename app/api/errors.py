@@ -50,7 +50,7 @@ def unavailable(message: str) -> APIError:
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first failing field as OpenAI names it (``messages.0.role``), its message, 400."""
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",)) or None
+    param = (first.get("ctx") or {}).get("param") or ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",)) or None
     message = first.get("msg", "invalid request")
     message = message.removeprefix("Value error, ")
     return bad_request(f"{message}" + (f" (at {param})" if param else ""), param=param)

@@ -1,7 +1,8 @@
 """The subset of OpenAI's chat completions API that foreserve serves, validated with pydantic.
 
 Unknown fields are accepted and ignored (clients send many); values we cannot honour (n > 1,
-non-text content) are rejected with a clear message rather than silently changed.
+non-text content, tools, JSON mode, logprobs, logit bias, penalties) are rejected with a clear
+message rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -10,9 +11,15 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # service_tier -> pool. OpenAI's own names: "flex" is its cheaper, slower tier.
+UNSUPPORTED = {  # OpenAI fields foreserve does not implement, and the values that leave them off
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,),
+}
 TIER_TO_POOL = {None: "online", "auto": "online", "default": "online", "priority": "online", "flex": "offline"}
 
 
@@ -60,7 +67,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="int64, as OpenAI's.")
     ignore_eos: bool = Field(False, description="vLLM's extension: keep generating past EOS up to max_tokens (benchmarks).")
     service_tier: Literal["auto", "default", "priority", "flex"] | None = None
     user: str | None = None
@@ -79,6 +86,17 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stop
+
+    @model_validator(mode="after")
+    def _no_unsupported_features(self) -> "ChatCompletionRequest":
+        """Tools, JSON mode, logprobs, logit bias and penalties are not implemented: a request that
+        asks for them gets a 400 naming the field, not plain text that ignored them."""
+        extra = self.model_extra or {}
+        for name, off in UNSUPPORTED.items():
+            value = extra.get(name)
+            if value is not None and value not in off:
+                raise PydanticCustomError("unsupported", "{param} is not supported by this server", {"param": name})
+        return self
 
     @field_validator("messages")
     @classmethod

@@ -49,8 +49,14 @@ class AsyncLLMEngine:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:  # NOTE: else the second caller's exit would drop the first's stream
+            raise ValueError(f"duplicate request id {request_id!r}")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        entry = (asyncio.get_running_loop(), stream)
+        self._streams[request_id] = entry
+        if not self.healthy:  # the loop crashed between the check above and the registration
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         self._send(("add", request_id, request))
         finished = False
         try:
@@ -64,12 +70,10 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is entry:
+                del self._streams[request_id]
             if not finished:
                 self._send(("abort", request_id, None))
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id, None))
 
     def close(self) -> None:
         """Stop the engine loop; the engine and its runner stay usable."""

@@ -288,6 +288,8 @@ class LLMEngine:
             text, hit_stop = detok.add(req.output_token_ids)
             if hit_stop and not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif hit_stop and req.status is RequestStatus.FINISHED_LENGTH:  # completed on the last allowed token
+                req.status, req.finish_reason = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_STOPPED.value
             if req.status.finished:
                 text += detok.finish()
         if req.status.finished:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+GREEDY_TEMPERATURE = 1e-5  # below it sampling is argmax
+
+
 class SamplingParams(BaseModel):
     """How to sample one request. Validated at construction; the runner trusts these values."""
 
@@ -17,7 +20,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    seed: int | None = Field(None, description="Per-request RNG seed for reproducible sampling.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request RNG seed (int64, as OpenAI's).")
     stop: tuple[str, ...] = Field((), description="Stop strings; the output is cut before them.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
 
@@ -29,7 +32,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # NOTE: a temperature this small divides the logits into inf/NaN (0 in float32): it is argmax
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +77,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_overtaken: int = 0  # admission passes that admitted others past it while it did not fit
     admitted_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None

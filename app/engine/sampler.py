@@ -86,7 +86,8 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         ps = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
-        # keep a token while the mass before it is below top_p (the first token always survives)
+        # keep a token while the mass before it is below top_p; the first always survives, even
+        # for a top_p that is 0 in float32 (1e-50 passes the `> 0` check)
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= ps[:, None], 0.0)
+        probs = probs.masked_fill((mass_before >= ps[:, None]) & (ranks > 0), 0.0)
         return probs / probs.sum(dim=-1, keepdim=True), order

@@ -146,8 +146,8 @@ class Scheduler:
                     self._preempt(req, overflow=True)
                     preempted = True
                     break
-                victim = self._victim(exclude=scheduled | {req.request_id})
-                if victim is None:
+                victim = self._victim(exclude=scheduled)
+                if victim is None or victim is req:  # last in line itself: it yields, not a prefill ahead of it
                     self._preempt(req, overflow=False)
                     preempted = True
                     break
@@ -184,14 +184,18 @@ class Scheduler:
         return budget
 
     def _admit_ordered(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        skipped: list[Request] = []
+        overtaken: list[Request] = []
         for req in self.waiting_order():
             if budget <= 0 or len(self.running) >= self.max_running():
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.policy.can_admit(req, num_new):
                 if self.skip_unfit and not self.must_wait_for(req):
+                    skipped.append(req)
                     continue
                 break
+            overtaken, skipped = overtaken + skipped, []
             self.policy.admit(req, num_new)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -202,6 +206,8 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
+        for req in overtaken:
+            req.num_overtaken += 1
         return budget
 
     def must_wait_for(self, req: Request) -> bool:

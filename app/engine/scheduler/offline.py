@@ -2,7 +2,9 @@
 
 The waiting queue is packed into free KV memory by decreasing first-fit on each request's
 reservation (prompt + predicted output): the largest predicted sequences are placed first and the
-remaining holes are filled with smaller ones, so the batch is as large as memory allows.
+remaining holes are filled with smaller ones, so the batch is as large as memory allows. A request
+that smaller ones have overtaken ``max_overtakes`` times makes the queue wait until it fits, so a
+steady stream of small requests cannot starve a large one.
 """
 
 from __future__ import annotations
@@ -18,3 +20,6 @@ class OfflineScheduler(Scheduler):
     def waiting_order(self) -> list[Request]:
         reserve = self.policy.reservation_tokens
         return sorted(self.waiting, key=lambda r: (-r.priority, -reserve(r), r.arrival_s))
+
+    def must_wait_for(self, req: Request) -> bool:
+        return req.num_overtaken >= self.config.max_overtakes
