@@ -37,7 +37,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1, description="Per-step token budget (chunked prefill).")
     allocation: str = Field("reserve_predicted", description="reserve_max | paged | reserve_predicted | oracle.")
     scheduler: str = Field("online", description="fcfs | offline | online.")
-    max_overtakes: int = Field(64, ge=0, description="Offline packing: after this many admissions passes that admitted smaller requests past it, a request that does not fit makes the queue wait for it (no starvation).")
+    max_overtakes: int = Field(256, ge=0, description="Offline packing: after this many admissions passes that admitted smaller requests past it, a request that does not fit makes the queue wait for it (no starvation).")
     ttft_slo_ms: float = Field(2000.0, gt=0, description="Online time-to-first-token objective.")
     tpot_slo_ms: float = Field(250.0, gt=0, description="Online time-per-output-token objective.")
     aging_tokens_per_s: float | None = Field(None, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited; default (None): aging_tokens_per_step per measured engine step.")

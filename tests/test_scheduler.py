@@ -405,3 +405,19 @@ def test_offline_packing_cannot_starve_a_large_request(max_overtakes):
         assert done_at is not None and long.num_overtaken == 8 and done_at < 8 * 3 + 10
     else:
         assert done_at is None and long.num_overtaken > 50  # what the bound prevents
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "offline"])
+def test_reserve_predicted_admits_as_soon_as_the_timeline_has_room(scheduler):
+    """The timeline promises memory a running sequence will have released by the time the newcomer
+    needs it; that room opens as steps pass, with no block freed. An admission attempt that failed
+    must not be cached as fruitless until the pool changes."""
+    engine = make_engine("reserve_predicted", scheduler, kv_tokens=64)  # 4 blocks of 16
+    a = add(engine, "a", 33, 15, predicted=15)  # 3 blocks from its prefill to its end (step ~15)
+    engine.step()
+    b = add(engine, "b", 4, 40, predicted=40)  # 1 block for 12 steps, then more: fits once a ends within 12
+    for _ in range(4):  # its first attempt fails; two steps later the timeline has room, no block freed
+        engine.step()
+    assert b.admitted_s is not None and a.finished_s is None  # before the fix: only once a finished
+    run_all(engine)
+    assert engine.stats().preemptions == 0

@@ -35,6 +35,7 @@ class AllocationPolicy:
     name = "base"
     reserves = True  # reserve the whole expected sequence at admission
     watermark_blocks = 0  # blocks kept free at admission so running sequences can grow
+    time_sensitive = False  # True: whether a request fits changes as steps pass, not only as blocks do
 
     def __init__(self, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> None:
         self.pool = pool
@@ -112,6 +113,7 @@ class Paged(AllocationPolicy):
 class ReservePredicted(AllocationPolicy):
     name = "reserve_predicted"
     reserves = False  # blocks are bound on demand; the promise is kept by the timeline
+    time_sensitive = True  # room opens as admitted sequences near their predicted end
 
     def __init__(self, pool: KVPool, buckets: LengthBuckets, max_seq_tokens: int = 4096) -> None:
         super().__init__(pool, buckets, max_seq_tokens)

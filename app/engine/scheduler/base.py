@@ -36,7 +36,8 @@ class Scheduler:
     name = "base"
     # False: stop admitting at the first waiting request that does not fit (FCFS, no overtaking).
     skip_unfit = True
-    # True when admission order depends on the clock (aging): fruitless attempts are not cached.
+    # True when admission order depends on the clock (aging): fruitless attempts are not cached
+    # (nor when the policy's room depends on the step: the timeline of reserve_predicted).
     time_sensitive = False
 
     def __init__(self, config: EngineConfig, policy: AllocationPolicy, clock: Callable[[], float]) -> None:
@@ -51,6 +52,7 @@ class Scheduler:
         self._admit_seq = 0
         self._admit_order: dict[str, int] = {}
         self._fruitless_admit_state: tuple | None = None
+        self._waiting_version = 0  # bumped whenever the waiting queue changes
 
     # -- ordering hooks ----------------------------------------------------------------------
     def waiting_order(self) -> list[Request]:
@@ -77,6 +79,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self._waiting_version += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,6 +91,7 @@ class Scheduler:
             self.policy.free(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self._waiting_version += 1
         req.status = status
         req.finish_reason = status.value
         req.finished_s = self.clock()
@@ -115,6 +119,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._waiting_version += 1
         # NOTE: the runner keeps the request's sampler state across a preemption, so a seeded
         # request draws the same random stream whether or not it was recomputed.
 
@@ -174,12 +179,12 @@ class Scheduler:
         # NOTE: with thousands waiting (offline, simulator) sorting and first-fit every step
         # dominates; if the pool, the queue and the budget are as they were when the last attempt
         # admitted nothing, this one would admit nothing too.
-        state = (self.policy.pool.num_free_blocks, len(self.waiting), len(self.running), budget, self._admit_seq)
+        state = (self.policy.pool.num_free_blocks, self._waiting_version, len(self.running), budget, self._admit_seq)
         if not self.waiting or state == self._fruitless_admit_state:
             return budget
         admitted_before = self._admit_seq
         budget = self._admit_ordered(chunks, budget)
-        if self._admit_seq == admitted_before and not self.time_sensitive:
+        if self._admit_seq == admitted_before and not (self.time_sensitive or self.policy.time_sensitive):
             self._fruitless_admit_state = state
         return budget
 
