@@ -21,14 +21,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
 from app.api.prompt import chat_prompt
@@ -38,6 +36,7 @@ from app.config import AppConfig
 from app.engine.request import SamplingParams
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
+from deployments.http_errors import install_error_handlers
 from deployments.pool_gate import PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -62,24 +61,7 @@ async def _rest(stream, first: dict) -> AsyncIterator[dict]:
 app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output-length prediction.")
 
 
-@app.exception_handler(errors.APIError)
-async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _query_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """A bad query or path parameter (``GET /v1/batches?limit=abc``): OpenAI's 400, not FastAPI's 422."""
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    err = errors.bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param)
-    return JSONResponse(err.body(), status_code=err.status_code)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = errors.APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-    return JSONResponse(err.body(), status_code=exc.status_code)
+install_error_handlers(app)
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
