@@ -76,7 +76,7 @@ def _registry_copy(name: str) -> tuple[Path, str]:
     Serve predictor replica start that much sooner)."""
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory or max")
-    state, lookups_path = _store_state(), paths.home() / "mlflow" / "cache" / LOOKUPS_FILE
+    state, lookups_path = _store_state(), cache_dir() / LOOKUPS_FILE
     try:
         lookups = json.loads(lookups_path.read_text())
     except (OSError, ValueError):
@@ -98,9 +98,10 @@ def _registry_copy(name: str) -> tuple[Path, str]:
     return directory, version
 
 
-def cache_dir(version: str) -> Path:
-    """Where registry version ``version``'s download is kept."""
-    return paths.home() / "mlflow" / "cache" / version
+def cache_dir(version: str | None = None) -> Path:
+    """Where registry version ``version``'s download is kept (None: the folder of all of them)."""
+    root = paths.home() / "mlflow" / "cache"
+    return root / version if version is not None else root
 
 
 def bad_files(predictor_dir: Path, manifest: dict[str, int]) -> list[str]:

@@ -14,12 +14,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-# service_tier -> pool. OpenAI's own names: "flex" is its cheaper, slower tier.
 UNSUPPORTED = {  # OpenAI fields foreserve does not implement, and the values that leave them off
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
     "response_format": ({"type": "text"},), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,),
 }
+# service_tier -> pool. OpenAI's own names: "flex" is its cheaper, slower tier.
 TIER_TO_POOL = {None: "online", "auto": "online", "default": "online", "priority": "online", "flex": "offline"}
 
 
