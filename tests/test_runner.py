@@ -177,12 +177,29 @@ def test_greedy_mixed_batch_matches_generate(runner, prompts, reference):
     assert [out["a"], out["b"], out["c"]] == reference
 
 
+@pytest.fixture(scope="module")
+def gather_runner(runner):
+    """Decode attention by gather + SDPA (the path where the C++ kernel is off or cannot be built)."""
+    from app.engine.runner import HFRunner
+
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, cpu_paged_attention=False)
+    return HFRunner(config, config.kv_pool_blocks(1))
+
+
 @pytest.mark.model
-def test_greedy_in_several_decode_groups_matches_generate(runner, prompts, reference):
+def test_runner_decodes_with_the_paged_kernel_unless_told_not_to(runner, gather_runner):
+    assert runner.paged_decode is not None  # built here (tests/test_cpu_kernels.py checks it alone)
+    assert gather_runner.paged_decode is None
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("path", ["paged_kernel", "gather"])
+def test_greedy_in_several_decode_groups_matches_generate(runner, gather_runner, prompts, reference, path):
     """18 sequences, staggered so their contexts differ: decode rows sorted by context and cut into
-    groups (each its own padded gather and SDPA); every sequence still matches generate."""
+    groups (each its own padded gather and SDPA), or all read from the pool by the kernel; every
+    sequence still matches generate."""
     seqs = [Seq(f"{i}-{k}", prompts[i], GREEDY, start_step=k) for k in range(6) for i in range(3)]
-    out = play_engine(runner, seqs)
+    out = play_engine(runner if path == "paged_kernel" else gather_runner, seqs)
     assert all(out[f"{i}-{k}"] == reference[i] for k in range(6) for i in range(3))
 
 

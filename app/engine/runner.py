@@ -3,7 +3,9 @@
 The forward is our own, built from the HF model's modules (embeddings, norms, projections, MLP,
 rotary embedding). All tokens of a step are packed into one ``[T, hidden]`` tensor for the linear
 layers; attention reads and writes the preallocated pool
-``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``.
+``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``. Decode rows
+attend through foreserve's C++ kernel, which reads each sequence's blocks in place
+(``cpu_kernels.py``; float32 on a CPU), or else by gathering the blocks and calling SDPA.
 Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
 shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside their forward.
 """
@@ -147,7 +149,9 @@ class _Step:
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor
     num_decode: int  # rows [0, num_decode) are one-token chunks, by ascending context
-    decode: list[_DecodeGroup]
+    decode: list[_DecodeGroup]  # the gather + SDPA path's groups; empty under the paged kernel
+    decode_tables: torch.Tensor | None  # the paged kernel's [num_decode, max_blocks] block tables
+    decode_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends to
     prefills: list[_Prefill]
     sample_rows: torch.Tensor  # rows whose logits are computed
     sample_chunks: list[ScheduledChunk]
@@ -221,6 +225,12 @@ class HFRunner(Runner):
         # NOTE: reused gather buffers; a fresh multi-MB tensor per layer costs page faults every step.
         self._kbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self._vbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        self.paged_decode = None
+        if config.cpu_paged_attention and self.device.type == "cpu" and self.kv_dtype == torch.float32 \
+                and self.dtype == torch.float32:
+            from app.engine.cpu_kernels import paged_decode_op
+
+            self.paged_decode = paged_decode_op()
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -276,11 +286,18 @@ class HFRunner(Runner):
         cos, sin = self.rotary(self.k_cache, pos_t[None])
         groups: list[_DecodeGroup] = []
         lengths = [c.start_pos + 1 for c in decodes]
-        for a, b in decode_groups(lengths):
-            nb = -(-lengths[b - 1] // bs)  # the group's longest context
-            table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
-            mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths[a:b])[:, None])[:, None, None, :]
-            groups.append(_DecodeGroup(a, b, torch.tensor(table).view(-1), mask))
+        tables = lens = None
+        if self.paged_decode is not None:
+            if decodes:
+                nb = -(-lengths[-1] // bs)  # the longest context's blocks
+                tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes])
+                lens = torch.tensor(lengths)
+        else:
+            for a, b in decode_groups(lengths):
+                nb = -(-lengths[b - 1] // bs)  # the group's longest context
+                table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
+                mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths[a:b])[:, None])[:, None, None, :]
+                groups.append(_DecodeGroup(a, b, torch.tensor(table).view(-1), mask))
         plans: list[_Prefill] = []
         row = len(decodes)
         for c in prefills:
@@ -297,7 +314,7 @@ class HFRunner(Runner):
         return _Step(
             input_ids=torch.tensor(ids), slots=torch.tensor(slots),
             cos=cos[0][:, None, :].to(self.dtype), sin=sin[0][:, None, :].to(self.dtype),
-            num_decode=len(decodes), decode=groups,
+            num_decode=len(decodes), decode=groups, decode_tables=tables, decode_lens=lens,
             prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
         )
 
@@ -349,6 +366,9 @@ class HFRunner(Runner):
         T = q.shape[0]
         kvh, hd, rep = self.num_kv_heads, self.head_dim, self.num_rep
         out = q.new_empty(T, self.num_heads, hd)
+        if step.decode_tables is not None:
+            nd = step.num_decode
+            out[:nd] = self.paged_decode(q[:nd].contiguous(), kc, vc, step.decode_tables, step.decode_lens, self.scale)
         for g in step.decode:
             # Grouped heads as the query axis: q [n, KVH, rep, D] against K [n, KVH, L, D], one SDPA.
             n = g.end - g.start
