@@ -45,7 +45,7 @@ bench: prepare
 
 bench-sim: install
 	$(VENV)/bin/foreserve bench throughput --sim H100-80G:llama-3-70b --tp 2 --requests 2000 --max-tokens 2048 \
-		--policies reserve_max,paged,reserve_predicted,oracle --json reports/sim_h100_70b.json
+		--policies reserve_max,paged,reserve_predicted,oracle --bound-quantile 0.8 --json reports/sim_h100_70b.json
 
 bench-predictor: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \

@@ -56,9 +56,10 @@ def read_status(out_dir: str | Path) -> dict:
     return status
 
 
-def predict(todo: list[InputRow], predictor: str, threads: int) -> list[dict]:
-    """Every row with its predicted bucket and bound: Ray Data ``map_batches`` over one predictor
-    actor, which resolves ``predictor`` once (one version for the whole job)."""
+def predict(todo: list[InputRow], predictor: str, threads: int, bound_quantile: float | None = None) -> list[dict]:
+    """Every row with its predicted bucket and bound (at ``bound_quantile``, the offline pool's):
+    Ray Data ``map_batches`` over one predictor actor, which resolves ``predictor`` once (one
+    version for the whole job)."""
     import ray
 
     ctx = ray.data.DataContext.get_current()
@@ -71,7 +72,7 @@ def predict(todo: list[InputRow], predictor: str, threads: int) -> list[dict]:
     # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
     # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
     ds = ray.data.from_items(items).map_batches(
-        PredictStage, fn_constructor_kwargs={"predictor": predictor, "threads": threads},
+        PredictStage, fn_constructor_kwargs={"predictor": predictor, "threads": threads, "bound_quantile": bound_quantile},
         compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
     return ds.take_all()
 
@@ -157,7 +158,7 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
             # started, resolved its version and loaded, so it predicts on an engine's threads;
             # beside a Serve app, on one thread, leaving the cores to the online pool
             threads = 1 if backend == "serve" else engine.torch_threads or os.cpu_count() or 1
-            predicted = predict(todo, predictor, threads)
+            predicted = predict(todo, predictor, threads, engine.bound_quantile)
             with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
                 generate(workers, plan_batches(predicted, batch_size, engines), bar.update)
         finally:

@@ -13,7 +13,9 @@ from app.config import EngineConfig
 
 
 class PredictStage:
-    """Ray Data actor: adds ``bucket``, ``bound_tokens`` and ``predictor_version`` columns.
+    """Ray Data actor: adds ``bucket``, ``bound_tokens`` (what the offline pool reserves: its
+    ``bound_quantile`` of the predicted distribution), ``predictor_bound_tokens`` (the version's own,
+    for the feedback record) and ``predictor_version`` columns.
 
     ``predictor``: ``champion``, a registry version, a directory or ``max``, resolved here once
     (``predictor.loading.resolve_predictor``; the job's one actor, so one version for every row,
@@ -21,7 +23,7 @@ class PredictStage:
     while the engines load: the registry lookup (MLflow's imports, ~1.5 s of CPU) was on the
     job's critical path before Ray Data could start the actor."""
 
-    def __init__(self, predictor: str, threads: int = 1) -> None:
+    def __init__(self, predictor: str, threads: int = 1, bound_quantile: float | None = None) -> None:
         t0 = time.perf_counter()
         from app.engine.runner import on_short_lived_thread
         from predictor.loading import load_predictor_or_max, resolve_predictor
@@ -29,6 +31,7 @@ class PredictStage:
         source, version = resolve_predictor(predictor)
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
         self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
+        self.bound_quantile = bound_quantile  # the offline pool's: what its engines reserve
         self.threads = threads
         print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -40,7 +43,12 @@ class PredictStage:
         pred = self.predictor.predict(list(batch["text"]))
         print(f"predicted {len(pred.buckets)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
         batch["bucket"] = list(pred.buckets)
+        batch["predictor_bound_tokens"] = list(pred.bound_tokens)
         batch["bound_tokens"] = list(pred.bound_tokens)
+        if self.bound_quantile is not None:
+            pool = EngineConfig(bound_quantile=self.bound_quantile)
+            batch["bound_tokens"] = [pool.reservation_bound(p, b, self.predictor.buckets.max_tokens)
+                                     for p, b in zip(pred.probabilities.tolist(), pred.bound_tokens)]
         batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
         return batch
 
@@ -57,15 +65,17 @@ def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, 
 
 
 def _rows(batch: list[dict], skip: set[int]):
-    """(row, bucket, bound, predictor text, predictor version) for every predicted row of a batch
-    that is not in ``skip`` (lines some part already answers: a retried batch after a crash)."""
+    """(row, bucket, bound, predictor text, predictor version, predictor's own bound) for every
+    predicted row of a batch that is not in ``skip`` (lines some part already answers: a retried
+    batch after a crash)."""
     from app.api.schemas import ChatCompletionRequest
 
     for item in batch:
         if int(item["line"]) in skip:
             continue
         row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
-        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"])
+        own = item.get("predictor_bound_tokens", item["bound_tokens"])
+        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"]), int(own)
 
 
 def _sampling(body, max_tokens: int):
@@ -86,6 +96,7 @@ class EngineStage:
 
         self.config = EngineConfig.model_validate(engine)
         self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
+        self.limit = min(self.config.max_model_len_tokens, self.engine.pool.capacity_tokens)
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
@@ -95,13 +106,12 @@ class EngineStage:
         from app.api.prompt import chat_prompt
 
         config, rows = self.config, {}
-        for row, bucket, bound, text, version in _rows(batch, self.store.done_lines()):
+        for row, bucket, bound, text, version, own in _rows(batch, self.store.done_lines()):
             try:
-                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, config.max_model_len_tokens,
-                                              config.default_max_tokens)
+                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.limit, config.default_max_tokens)
                 req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
                                               tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
-                                              predictor_version=version)
+                                              predictor_version=version, predictor_bound_tokens=own)
             except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
                 row.error = f"line {row.line}: {exc}"
                 self.results.append(error_row(row))
@@ -130,25 +140,26 @@ class ServeStage:
         from app.engine.tokenizer import load_tokenizer
 
         self.config = EngineConfig.model_validate(engine)
+        self.limit = self.config.sequence_limit_tokens()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.app_name = app_name
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
 
-    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str) -> ResultRow:
+    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str, own: int) -> ResultRow:
         from app.api.prompt import chat_prompt
         from deployments.engine_server import GenerateRequest
 
         config = self.config
         try:
-            ids, max_tokens = chat_prompt(self.tokenizer, row.request, config.max_model_len_tokens, config.default_max_tokens)
+            ids, max_tokens = chat_prompt(self.tokenizer, row.request, self.limit, config.default_max_tokens)
         except APIError as exc:
             row.error = f"line {row.line}: {exc}"
             return error_row(row)
         request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
                                   sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
-                                  predictor_text=text, predictor_version=version)
+                                  predictor_text=text, predictor_version=version, predictor_bound_tokens=own)
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         from deployments.pool_gate import wait_until_up

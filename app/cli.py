@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "NAME:Q sets the bound quantile; a comma list (champion,champion:0.9,oracle) adds a "
                    "reserve_predicted@NAME row per further predictor, side by side")
     b.add_argument("--bound-quantile", type=float,
-                   help="learned predictor: reserve up to this quantile of the predicted length distribution")
+                   help="learned predictor: reserve up to this quantile of the predicted length distribution "
+                   "(default: the engine's bound_quantile, 0.7)")
     b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")
     b.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="KV cache dtype of the real model (auto: the weights' float32)")

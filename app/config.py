@@ -44,6 +44,7 @@ class EngineConfig(BaseModel):
     aging_tokens_per_s: float | None = Field(None, ge=0, description="Online SRF aging: predicted tokens forgiven per second waited; default (None): aging_tokens_per_step per measured engine step.")
     aging_tokens_per_step: float = Field(0.25, ge=0, description="Online SRF aging when aging_tokens_per_s is None: predicted tokens forgiven per engine step waited. 1 is the pace a running request would have kept (a request waits about its own run time behind shorter work); 0.25 lets it wait about 4x that, which keeps shortest-first order under overload: 1.06-1.38x lower mean E2E and 1.17-3.24x goodput vs FCFS in the simulator at 1.5-6 req/s, against 1.06-1.28x and 1.17-1.82x at 1 (plan scheduler-ab, calibrated CPU, bucket noise 1).")
     num_buckets: int = Field(10, ge=1, description="Output-length buckets of the predictor.")
+    bound_quantile: float | None = Field(0.7, gt=0, le=1, description="What this pool reserves for a predicted request: the upper edge of the bucket where the predicted length distribution reaches this quantile (re-read from the predictor's probabilities). Lower fits more sequences and preempts more: 0.7 gave 1.13x the tokens/s of 0.8 on the throughput benchmark here (README); the online pool keeps 0.8 for fewer preemptions. None: the bound the predictor sends (its version's quantile).")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks sharding one replica (DeepSpeed AutoTP).")
     tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: torch's (OMP_NUM_THREADS: a Ray actor's CPUs, else the cores; TP ranks: cores / TP).")
@@ -95,6 +96,33 @@ class EngineConfig(BaseModel):
             raise ValueError(f"KV budget of {tokens} tokens is smaller than one block ({self.block_size_tokens})")
         return blocks
 
+    def reservation_bound(self, probs: list[float] | None, bound_tokens: int, range_tokens: int | None = None) -> int:
+        """The bound this pool reserves for a prediction: ``bound_quantile`` of the predicted
+        distribution (``probs`` over equal buckets covering ``range_tokens``, default
+        ``default_max_tokens``) when there is one, else the predictor's own bound (and always a
+        max-reservation fallback's)."""
+        from predictor.base import NO_BOUND
+        from predictor.buckets import LengthBuckets
+
+        q = self.bound_quantile
+        if q is None or not probs or bound_tokens >= NO_BOUND:
+            return bound_tokens
+        buckets = LengthBuckets(max_tokens=range_tokens or self.default_max_tokens, num_buckets=len(probs))
+        return buckets.quantile_bound_tokens(probs, q)
+
+    def sequence_limit_tokens(self) -> int:
+        """The longest prompt + output one sequence may reach: max_model_len, or the KV pool's size
+        where that is smaller (the engine refuses any request past it). The front ends default
+        max_tokens within it, so a request that gives none is never refused for a max_tokens it did
+        not send."""
+        per_token = 1
+        if self.kv_cache_bytes is not None:
+            from app.engine.llama import model_config
+            from app.engine.runner import HFRunner
+
+            per_token = HFRunner.kv_bytes_per_token(model_config(self.model_path), self.cache_dtype)
+        return min(self.max_model_len_tokens, self.kv_pool_blocks(per_token) * self.block_size_tokens)
+
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "serve_config.yaml"
 
@@ -137,6 +165,7 @@ class IngressConfig(BaseModel):
     max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
     flex_max_wait_s: float = Field(600.0, ge=0, description="A flex request waits at the ingress at most this long while the autoscaler has the offline pool at zero (it yielded to online); then it goes anyway and Serve starts the pool.")
+    flex_max_held: int = Field(256, ge=1, description="At most this many flex requests wait at the ingress while the offline pool is at zero; more get 429 with Retry-After. Each held call takes one of the ingress's 1,024 concurrent slots, so this keeps most of them for online traffic.")
 
 
 class AppConfig(BaseModel):

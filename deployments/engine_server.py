@@ -35,7 +35,8 @@ class GenerateRequest(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, description="The rendered prompt's tokens (the ingress counted them); else messages are rendered here.")
     num_prompt_tokens: int | None = Field(None, description="len(prompt_token_ids): what the KV-aware router reads.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens) from the predictor deployment; None reserves for max_tokens.")
+    prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens): the predictor's bucket and distribution and the bound this pool reserves (its bound_quantile); None reserves for max_tokens.")
+    predictor_bound_tokens: int | None = Field(None, description="The predictor's own bound (its version's quantile), which the feedback record keeps; None: the reserved bound.")
     rank_tokens: float | None = Field(None, description="The predictor's length estimate the online scheduler orders by; None orders by the bound.")
     predictor_text: str | None = Field(None, description="The text the predictor read (kept in the feedback record).")
     predictor_version: str | None = None
@@ -99,6 +100,7 @@ class EngineServer:
             rank_tokens=req.rank_tokens,
             predictor_text=req.predictor_text,
             predictor_version=req.predictor_version,
+            predictor_bound_tokens=req.predictor_bound_tokens,
             output_token_ids=req.resume_output_token_ids or None,
             emitted_chars=req.resume_emitted_chars,
         )

@@ -37,7 +37,7 @@ from app.engine.request import SamplingParams
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.http_errors import install_error_handlers
-from deployments.pool_gate import PoolGate, replica_states
+from deployments.pool_gate import GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
 logger = logging.getLogger("ray.serve")
@@ -77,6 +77,7 @@ class Ingress:
         online = self.config.pools["online"]  # NOTE: both pools serve the same model
         self.model_id = online.served_model_name
         self.tokenizer = load_tokenizer(online.model_path)
+        self.limits = {name: pool.sequence_limit_tokens() for name, pool in self.config.pools.items()}
         env_keys = [k.strip() for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k.strip()]
         self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
         self.metrics = RequestMetrics()
@@ -235,7 +236,7 @@ class Ingress:
         """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context of
         the pool that will serve it."""
         config = self.config.pools[body.pool]
-        return chat_prompt(self.tokenizer, body, config.max_model_len_tokens, config.default_max_tokens)
+        return chat_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens)
 
     async def _predict(self, response, tier: str) -> dict | None:
         """The predictor's answer to ``response`` (a sent ``predict`` call), or None (reserve
@@ -260,13 +261,18 @@ class Ingress:
             response.cancel()
             raise
         pred = await self._predict(response, tier)
+        bound = None
+        if pred is not None:  # NOTE: what this pool reserves (its bound_quantile): the engine, router and header agree
+            bound = min(self.config.pools[body.pool].reservation_bound(
+                pred["probabilities"], pred["bound_tokens"], pred.get("bucket_range_tokens")), max_tokens)
         request = GenerateRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             prompt_token_ids=ids,
             num_prompt_tokens=len(ids),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     seed=body.seed, stop=body.stop_list, ignore_eos=body.ignore_eos),
-            prediction=None if pred is None else (pred["bucket"], pred["probabilities"], pred["bound_tokens"]),
+            prediction=None if pred is None else (pred["bucket"], pred["probabilities"], bound),
+            predictor_bound_tokens=None if pred is None else min(pred["bound_tokens"], max_tokens),
             rank_tokens=None if pred is None else pred.get("rank_tokens"),
             predictor_text=text,
             predictor_version="max-fallback" if pred is None else pred["version"],
@@ -277,7 +283,7 @@ class Ingress:
             "x-foreserve-request-id": request.request_id,
             "x-foreserve-pool": body.pool,
             "x-foreserve-predictor-version": str(request.predictor_version),
-            "x-foreserve-predicted-tokens": str(max_tokens if pred is None else min(pred["bound_tokens"], max_tokens)),
+            "x-foreserve-predicted-tokens": str(max_tokens if bound is None else bound),
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -300,7 +306,11 @@ class Ingress:
         payload = request.model_dump()
         for attempt in range(1, REQUEUE_ATTEMPTS + 1):
             if pool == "offline":
-                await self.offline_gate.wait(reservation_tokens([payload]), self.config.ingress.flex_max_wait_s)
+                limits = self.config.ingress
+                try:
+                    await self.offline_gate.wait(reservation_tokens([payload]), limits.flex_max_wait_s, limits.flex_max_held)
+                except GateFull:
+                    raise errors.overloaded(limits.retry_after_s, "offline") from None
             stream = self.pools[pool].options(stream=True).generate.remote(payload)
             try:
                 return stream, await self._first_item(stream, pool)

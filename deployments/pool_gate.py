@@ -46,6 +46,10 @@ def pool_is_up(state: dict | None) -> bool:
     return state.get("status") in OPEN_STATUSES or any(state.get(s, 0) > 0 for s in UP_STATES)
 
 
+class GateFull(Exception):
+    """The gate holds as many calls as it may: the caller should refuse this one (429)."""
+
+
 class PoolGate:
     """The offline pool's gate at one caller. ``states()`` returns each pool's status and replica
     counts (a controller call, made at most every ``poll_s`` however many calls wait)."""
@@ -70,11 +74,14 @@ class PoolGate:
                 self._checked_at = time.monotonic()
             return self._open
 
-    async def wait(self, tokens: int, max_wait_s: float = FLEX_MAX_WAIT_S) -> float:
+    async def wait(self, tokens: int, max_wait_s: float = FLEX_MAX_WAIT_S, max_held: int | None = None) -> float:
         """Return once the pool is up (or after ``max_wait_s``); the seconds held. While held, the
-        call and its ``tokens`` (prompt + predicted output) count in ``held_requests``/``held_tokens``."""
+        call and its ``tokens`` (prompt + predicted output) count in ``held_requests``/``held_tokens``.
+        ``GateFull`` if ``max_held`` calls are held already (each holds one of the caller's slots)."""
         if await self.is_open():
             return 0.0
+        if max_held is not None and self.held_requests >= max_held:
+            raise GateFull(self.held_requests)
         t0 = time.monotonic()
         self.held_requests += 1
         self.held_tokens += tokens

@@ -92,6 +92,7 @@ class LengthPredictorServer:
                 "bucket": pred.buckets[i],
                 "bound_tokens": pred.bound_tokens[i],
                 "probabilities": [float(p) for p in pred.probabilities[i]],
+                "bucket_range_tokens": predictor.buckets.max_tokens,  # the probabilities' equal buckets cover this
                 "expected_tokens": pred.expected_tokens[i] if pred.expected_tokens else None,
                 "score": pred.scores[i] if pred.scores else None,
                 "rank_tokens": pred.rank_tokens[i] if pred.rank_tokens else None,

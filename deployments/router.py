@@ -49,10 +49,12 @@ def reservation_tokens(args: Any) -> int:
     if not isinstance(request, dict):
         return 0
     prediction, sampling = request.get("prediction"), request.get("sampling")
+    max_tokens = _int(sampling.get("max_tokens")) if isinstance(sampling, dict) else 0
     if isinstance(prediction, (list, tuple)) and len(prediction) > 2 and prediction[2] is not None:
         output = _int(prediction[2])
+        output = min(output, max_tokens) if max_tokens > 0 else output  # NOTE: the engine clamps so too
     else:
-        output = _int(sampling.get("max_tokens")) if isinstance(sampling, dict) else 0
+        output = max_tokens
     return max(0, _int(request.get("num_prompt_tokens"))) + max(0, output)
 
 

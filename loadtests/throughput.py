@@ -210,7 +210,10 @@ def run_benchmark(
         # NOTE: "champion,oracle" runs reserve_predicted with the champion (row reserve_predicted)
         # and again with each further predictor (row reserve_predicted@oracle), side by side.
         names = [p.strip() for p in predictor.split(",") if p.strip()]
-        preds = {n: make_predictor(n, requests, buckets, bound_quantile) for n in names}
+        # NOTE: a learned predictor's bound at the engine's bound_quantile (what a pool reserves)
+        # unless --bound-quantile or NAME:Q names another
+        quantile = base.bound_quantile if bound_quantile is None else bound_quantile
+        preds = {n: make_predictor(n, requests, buckets, quantile) for n in names}
         pred = preds[names[0]]
         # (row name, allocation policy, predictor) for every engine row
         runs = [(p, p, pred) for p in policies if p not in PEERS]

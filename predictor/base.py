@@ -9,6 +9,10 @@ import numpy as np
 
 from predictor.buckets import LengthBuckets
 
+# MaxPredictor's bound: "no prediction, reserve the request's whole max_tokens". The engine clamps
+# every bound to the request's max_tokens, so this reserves a 2,000-token request's 2,000 tokens
+# where the last bucket's edge (the default max_tokens) would have reserved only 1,024.
+NO_BOUND = 2**31 - 1
 
 @dataclass(slots=True)
 class LengthPrediction:
@@ -46,7 +50,9 @@ class MaxPredictor(LengthPredictor):
     name = "max"
 
     def predict(self, prompts: Sequence[str]) -> LengthPrediction:
-        return self._from_buckets([self.buckets.num_buckets - 1] * len(prompts))
+        pred = self._from_buckets([self.buckets.num_buckets - 1] * len(prompts))
+        pred.bound_tokens = [NO_BOUND] * len(prompts)
+        return pred
 
 
 class OraclePredictor(LengthPredictor):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -30,6 +31,18 @@ class LengthBuckets(BaseModel):
         """Largest length in ``bucket`` (an integer, so ``upper_bound(bucket_of(n)) >= n``)."""
         bucket = min(max(bucket, 0), self.num_buckets - 1)
         return (bucket + 1) * self.max_tokens // self.num_buckets
+
+    def quantile_buckets(self, probs, quantile: float) -> np.ndarray:
+        """Per row of ``probs`` (``[n, num_buckets]`` or one row): the first bucket where the
+        cumulative probability reaches ``quantile``."""
+        cdf = np.cumsum(np.asarray(probs, dtype=np.float64).reshape(-1, self.num_buckets), axis=1)
+        return np.minimum((cdf < quantile - 1e-6).sum(axis=1), self.num_buckets - 1)
+
+    def quantile_bound_tokens(self, probs, quantile: float) -> int:
+        """The reservation bound at ``quantile`` of one predicted length distribution over these
+        buckets: the upper edge of its quantile bucket (a higher quantile reserves more and
+        preempts less)."""
+        return self.upper_bound_tokens(int(self.quantile_buckets(probs, quantile)[0]))
 
     def next_bound_tokens(self, generated_tokens: int) -> int:
         """The bound to re-admit with once ``generated_tokens`` outgrew a reservation: the upper

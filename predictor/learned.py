@@ -21,9 +21,7 @@ def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = No
     buckets = spec.buckets
     q = spec.bound_quantile if bound_quantile is None else bound_quantile
     argmax = probs.argmax(axis=1)
-    cdf = np.cumsum(probs, axis=1)
-    bound_buckets = np.minimum((cdf < q - 1e-6).sum(axis=1), spec.num_buckets - 1)
-    bounds = np.array([buckets.upper_bound_tokens(int(b)) for b in bound_buckets])
+    bounds = np.array([buckets.upper_bound_tokens(int(b)) for b in buckets.quantile_buckets(probs, q)])
     mids = (np.arange(spec.num_buckets) + 0.5) * buckets.width_tokens
     return argmax, bounds, probs @ mids
 

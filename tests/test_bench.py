@@ -88,3 +88,20 @@ def test_cli_help_lists_commands():
     assert proc.returncode == 0
     for word in ("prepare", "bench", "generate"):
         assert word in proc.stdout
+
+
+def test_quantile_sweep_in_modelled_time(tmp_path):
+    from loadtests.quantile_sweep import main as sweep_main
+    from loadtests.quantile_sweep import sweep
+
+    rows = sweep([16, 32], "oracle", [0.7])
+    assert [(r["requests"], r["predictor"]) for r in rows] == [
+        (16, "reserve_max"), (16, "oracle:0.7"), (16, "oracle"), (32, "reserve_max"), (32, "oracle:0.7"), (32, "oracle")]
+    by = {(r["requests"], r["predictor"]): r for r in rows}
+    assert by[(32, "reserve_max")]["x_reserve_max"] == 1.0
+    assert by[(32, "oracle")]["x_reserve_max"] > 1.5 and by[(32, "oracle")]["mean_batch"] > 2 * by[(32, "reserve_max")]["mean_batch"]
+    assert by[(32, "oracle")]["steps"] == by[(32, "oracle:0.7")]["steps"]  # exact lengths: no quantile to apply
+    sweep_main(["--requests", "8", "--predictor", "oracle", "--quantiles", "0.5", "--json", str(tmp_path / "s.json")])
+    assert len(json.loads((tmp_path / "s.json").read_text())["rows"]) == 3
+    with pytest.raises(SystemExit):
+        sweep_main(["--quantiles", "1.5"])

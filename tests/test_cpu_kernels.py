@@ -74,3 +74,14 @@ def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
 def test_cpu_tag_names_the_instruction_set():
     tag = cpu_tag()
     assert tag.startswith(platform.machine()) and tag == cpu_tag() and len(tag.split("-")[-1]) == 10
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
+    """torch's loader waits forever on its ``lock`` file; one left behind by a process killed
+    mid-build is removed under foreserve's own flock, so the next load goes ahead."""
+    from app.engine import cpu_kernels
+
+    stale = cpu_kernels.build_directory() / "lock"
+    stale.touch()
+    assert cpu_kernels._build() is not None  # would spin on the stale lock before
+    assert not stale.exists()

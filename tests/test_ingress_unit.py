@@ -189,6 +189,24 @@ def test_flex_waits_while_the_offline_pool_is_at_zero():
     asyncio.run(scenario())
 
 
+def test_flex_past_the_held_limit_gets_a_429_with_retry_after():
+    from app.api import errors
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": {"flex_max_held": 1}})
+    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY"}}, "offline", poll_s=0.01)  # at zero
+    ingress.offline_gate.held_requests = 1  # one call already waits
+    ingress.pools = {"offline": _Pool([])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
+    with pytest.raises(errors.APIError) as err:
+        asyncio.run(ingress._start(request, "offline"))
+    assert err.value.status_code == 429 and err.value.headers == {"Retry-After": "2"}
+    assert ingress.pools["offline"].calls == 0 and ingress.offline_gate.held_requests == 1
+
+
 def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:
     return {**_item(text, n, finished, "length" if finished else None), "token_ids": [token]}
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.pool_gate import PoolGate, pool_is_up
+from deployments.pool_gate import GateFull, PoolGate, pool_is_up
 
 
 @pytest.mark.parametrize("state, up", [
@@ -57,5 +57,22 @@ def test_a_call_goes_anyway_after_max_wait_and_when_the_controller_fails():
             raise ConnectionError("controller gone")
 
         assert await PoolGate(broken, "offline", poll_s=0.01).wait(5) == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_a_call_past_max_held_is_refused_not_held():
+    states = {"offline": {"status": "HEALTHY"}}
+
+    async def scenario():
+        gate = PoolGate(lambda: states, "offline", poll_s=0.02)
+        held = [asyncio.ensure_future(gate.wait(10, max_held=2)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(GateFull):
+            await gate.wait(10, max_held=2)
+        assert gate.stats() == {"held_requests": 2.0, "held_tokens": 20.0}  # the refused call left no trace
+        states["offline"] = {"status": "HEALTHY", "RUNNING": 1}
+        await asyncio.wait_for(asyncio.gather(*held), 1.0)
+        assert await gate.wait(10, max_held=0) == 0.0  # an open pool holds nothing, so no limit applies
 
     asyncio.run(scenario())

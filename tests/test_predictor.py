@@ -80,6 +80,42 @@ def test_decode_bound_follows_the_quantile():
     assert expected[1] == pytest.approx(9.5 * 102.4)
 
 
+def test_a_pool_reserves_at_its_own_quantile_of_the_predicted_distribution(tmp_path):
+    from app.config import EngineConfig
+    from app.engine.request import SamplingParams
+    from predictor.base import NO_BOUND
+    from predictor.feedback import FeedbackWriter
+
+    probs = [0.5, 0.3, 0.2] + [0.0] * 7
+    assert B.quantile_bound_tokens(probs, 0.7) == 204 and B.quantile_bound_tokens(probs, 0.5) == 102
+    assert B.quantile_buckets(np.array([probs, [0.1] * 10]), 0.8).tolist() == [1, 7]
+    offline, online = EngineConfig(bound_quantile=0.5), EngineConfig(bound_quantile=0.8)
+    assert (offline.reservation_bound(probs, 204), online.reservation_bound(probs, 102)) == (102, 204)
+    assert offline.reservation_bound(probs, 204, range_tokens=2048) == 204  # buckets of 204.8 tokens
+    assert offline.reservation_bound(None, 300) == 300  # no distribution sent: the predictor's bound
+    assert EngineConfig(bound_quantile=None).reservation_bound(probs, 300) == 300
+    assert offline.reservation_bound([0.0] * 9 + [1.0], NO_BOUND) == NO_BOUND  # a max fallback stays max
+
+    class Spread(LengthPredictor):  # the version's own bound: its 0.8 quantile
+        name, version = "spread", "7"
+
+        def predict(self, prompts) -> LengthPrediction:
+            dist = np.array([[0.2] * 5 + [0.0] * 5] * len(prompts))
+            return LengthPrediction([2] * len(prompts), dist, [self.buckets.quantile_bound_tokens(dist[0], 0.8)] * len(prompts))
+
+    engine = make_engine(allocation="reserve_predicted", kv_tokens=512, default_max_tokens=100, bound_quantile=0.5)
+    engine.predictor = Spread(engine.buckets)
+    engine.feedback = FeedbackWriter(tmp_path)
+    own = engine.add_request([5] * 4, SamplingParams(max_tokens=100, ignore_eos=True), prompt="p", request_id="own")
+    assert own.predicted_output_tokens == 30  # the pool's 0.5 quantile, not the version's 40
+    given = engine.add_request([5] * 4, SamplingParams(max_tokens=100, ignore_eos=True), prompt="q", request_id="given",
+                               prediction=(2, [0.2] * 5 + [0.0] * 5, 30), predictor_bound_tokens=40)
+    assert given.predicted_output_tokens == 30  # a caller's bound is the pool's already: not re-read
+    assert engine.abort("own") and engine.abort("given")
+    bounds = {r.request_id: r.predicted_bound_tokens for r in read_feedback(tmp_path)}
+    assert bounds == {"own": 40, "given": 40}  # feedback keeps the predictor's own bound
+
+
 def test_metrics_on_known_arrays():
     true = np.array([10, 150, 300, 2000])  # buckets 0, 1, 2, 9 (2000 counts as 1024)
     m = score_predictions(true, np.array([0, 2, 0, 9]), np.array([102, 204, 204, 1024]),
@@ -175,6 +211,10 @@ def test_engine_falls_back_to_max_when_the_predictor_fails():
     req = engine.add_request([5] * 10, SamplingParams(max_tokens=40, ignore_eos=True), prompt="hello", request_id="r")
     assert req.predicted_output_tokens == 40  # the max bound, clipped to max_tokens
     assert engine.stats().predictor_fallbacks == 1
+    # past the buckets' range (default_max_tokens 100) it still reserves the request's whole max_tokens
+    long = engine.add_request([5] * 10, SamplingParams(max_tokens=300, ignore_eos=True), prompt="hi", request_id="l")
+    assert long.predicted_output_tokens == 300 and engine.stats().predictor_fallbacks == 2
+    assert engine.abort("l")
     outs = run_all(engine)
     assert outs["r"][-1].finished and outs["r"][-1].num_output_tokens == 40
 

@@ -10,6 +10,7 @@ import pytest
 
 from deployments.predictor import LengthPredictorServer
 from predictor import registry
+from predictor.base import NO_BOUND
 from predictor.pipeline import train_and_register
 from tests.test_predictor_pipeline import CONFIG, EVAL, SPEC, TRAIN, home  # noqa: F401 - fixture
 
@@ -21,7 +22,7 @@ def test_fallback_then_hot_swap_to_each_new_champion(home: Path):  # noqa: F811
     try:
         assert server.version == "max-fallback"
         fallback = server.predict_batch(["hi"])[0]
-        assert fallback["bound_tokens"] == 1024 and fallback["rank_tokens"] is None  # no champion: reserve max
+        assert fallback["bound_tokens"] == NO_BOUND and fallback["rank_tokens"] is None  # no champion: reserve max_tokens
         train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
         assert server.refresh() and server.version == "1" and server.swaps == 1
         assert not server.refresh()  # nothing new

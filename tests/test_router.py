@@ -70,6 +70,7 @@ def _names(ranks) -> list[list[str]]:
 def test_reservation_is_prompt_plus_bound_or_max_tokens_and_never_raises():
     assert reservation_tokens([_request(100, 307, 1024)]) == 407
     assert reservation_tokens([_request(100, None, 1024)]) == 1124  # no prediction: max_tokens
+    assert reservation_tokens([_request(100, 2**31 - 1, 2000)]) == 2100  # a max fallback's bound: max_tokens
     assert reservation_tokens([{"num_prompt_tokens": 5, "prediction": [1, None, None], "sampling": {"max_tokens": 9}}]) == 14
     assert reservation_tokens([_request()]) == 0
     for odd in (None, [], "abc", ["not a dict"], [{"prediction": [1], "sampling": "x", "num_prompt_tokens": "abc"}],

@@ -36,3 +36,32 @@ def test_advance_past_the_buffer_keeps_future_occupancy():
         tl.advance()
     # ramps added at the last 3 steps are still in flight: 4+3+2, then 4+3, then 4
     assert occupancy(tl, 4) == [2 + 3 + 4, 3 + 4, 4, 0]
+
+
+def test_a_stalled_sequence_keeps_its_memory_promised():
+    """A running sequence the step leaves out (token budget, online TPOT cap) falls behind its
+    one-token-per-step ramp; re-anchored, its ramp ends when the sequence really does, so the
+    timeline does not promise its blocks to a newcomer meanwhile."""
+    from app.engine.allocation import ReservePredicted
+    from app.engine.kv_pool import KVPool
+    from app.engine.request import Request, SamplingParams
+    from predictor.buckets import LengthBuckets
+
+    pool = KVPool(4, 16)
+    policy = ReservePredicted(pool, LengthBuckets(max_tokens=64), max_seq_tokens=64)
+
+    def request(rid: str, outputs: int) -> Request:
+        return Request(rid, [1] * 16, SamplingParams(max_tokens=outputs), 0.0, predicted_output_tokens=outputs)
+
+    stalled = request("a", 32)  # 16 + 32 tokens: 3 blocks at its end
+    policy.admit(stalled, 16)
+    stalled.num_computed_tokens = 16
+    stalled.output_token_ids.append(7)  # its first token: decoding from here
+    newcomer = request("b", 16)  # 2 blocks at its end
+    for _ in range(40):  # the ramp alone would have ended after 32 steps
+        policy.on_step()
+        policy.stalled(stalled)
+    # still 17 tokens from 3 blocks at its end: the newcomer's 2 blocks would overcommit the pool
+    assert not policy.timeline.fits(*policy._plan(newcomer))
+    policy.free(stalled)
+    assert policy.timeline.fits(*policy._plan(newcomer))

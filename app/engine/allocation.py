@@ -46,6 +46,9 @@ class AllocationPolicy:
     def on_step(self) -> None:
         """Called once at the start of every scheduling step."""
 
+    def stalled(self, req: Request) -> None:
+        """Called for each running request this step did not advance (the step's token budget ran out)."""
+
     # -- what a policy decides -------------------------------------------------------------
     def reservation_tokens(self, req: Request) -> int:
         """Prompt + output tokens the policy plans for ``req`` (what it binds at admission if ``reserves``)."""
@@ -152,6 +155,15 @@ class ReservePredicted(AllocationPolicy):
     def _replan(self, req: Request) -> None:
         self.timeline.remove(self._ramps[req.request_id])
         self._ramps[req.request_id] = self.timeline.add(*self._plan(req))
+
+    def stalled(self, req: Request) -> None:
+        # NOTE: a ramp grows one token per step; a sequence left out of a step (the online TPOT cap,
+        # a full token budget) falls behind it and would outlive its ramp, holding blocks the
+        # timeline had already promised to later admissions. Re-anchored, the ramp ends when it does.
+        # (No fits() check: the sequence holds its blocks whatever the timeline says; an overfull
+        # future only holds admissions back.)
+        if req.request_id in self._ramps:
+            self._replan(req)
 
     def grow(self, req: Request, num_new_tokens: int) -> Grow:
         rid = req.request_id

@@ -1,24 +1,25 @@
 """foreserve's own CPU kernel: decode attention straight from the paged KV pool (``csrc/paged_decode.cpp``).
 
 Built on first use with torch's C++ extension loader (g++ and ninja, ~25 s here), once per machine
-and source: the build lands in ``$FORESERVE_HOME/torch_extensions/<cpu>`` (``-march=native``, so a
-build is never shared between CPUs with different instruction sets) and later processes load it in
+and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
+under ``foreserve-<cpu>`` (``-march=native``, so a build is never shared between CPUs with
+different instruction sets), outside any one ``FORESERVE_HOME``, and later processes load it in
 well under a second. Where it cannot be built (no compiler, another OS), ``paged_decode_op()`` is None,
 one warning says why, and the runner keeps its gather + SDPA path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
 import platform
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from app.paths import home
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -45,6 +46,12 @@ def cpu_tag() -> str:
     return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
 
 
+def build_directory() -> Path:
+    """Where the kernel is built: torch's extensions folder, one subfolder per CPU instruction set."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"foreserve-{cpu_tag()}"
+
+
 def paged_decode_op() -> PagedDecode | None:
     """``paged_decode(q [n, H, D], k_pool, v_pool [blocks, block, KVH, D], tables [n, max_blocks],
     lens [n], scale) -> [n, H, D]``, all float32 on the CPU; None where the kernel cannot be built."""
@@ -61,10 +68,16 @@ def _build() -> PagedDecode | None:
     try:
         from torch.utils.cpp_extension import load
 
-        build_dir = home() / "torch_extensions" / cpu_tag()
+        build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
-        module = load(name="foreserve_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                      build_directory=str(build_dir), verbose=False)
+        # NOTE: torch's own build lock is a file that a process killed mid-build leaves behind, and
+        # every later load would wait on it forever. An flock dies with its process: holding it,
+        # no other process builds here, so a leftover torch lock is stale and goes.
+        with open(build_dir / "foreserve.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = load(name="foreserve_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                          build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - a missing compiler or a failed build only costs speed
         log.warning("paged decode kernel could not be built (%s: %s); using gather + SDPA", type(e).__name__, e)
         return None

@@ -129,6 +129,7 @@ class LLMEngine:
         stream_text: bool = True,
         predictor_text: str | None = None,
         predictor_version: str | None = None,
+        predictor_bound_tokens: int | None = None,
         output_token_ids: list[int] | None = None,
         emitted_chars: int = 0,
     ) -> Request:
@@ -137,7 +138,9 @@ class LLMEngine:
         prompt), one prompt at a time: batch callers should pass it. ``rank_tokens`` is the
         predictor's length estimate for ordering (``LengthPrediction.rank_tokens``); without it the
         online scheduler orders by the bound. A failing predictor never
-        fails the request: it falls back to ``max`` reservation and is counted.
+        fails the request: it falls back to ``max`` reservation and is counted. The engine's own
+        predictor's bound is re-read at ``bound_quantile``; a caller that did so itself passes the
+        predictor's original bound as ``predictor_bound_tokens`` (the feedback record keeps it).
 
         ``output_token_ids`` resumes an answer another replica started (and lost): they count as
         generated (max_tokens, stop strings, feedback), are recomputed like a preempted sequence's,
@@ -166,6 +169,9 @@ class LLMEngine:
             predictor_text = prompt
         if prediction is None:
             prediction, rank_tokens, predictor_version = self.predict(predictor_text or "")
+            bucket, probs, predictor_bound_tokens = prediction
+            prediction = (bucket, probs, self.config.reservation_bound(probs, predictor_bound_tokens,
+                                                                       self.predictor.buckets.max_tokens))
         bucket, probs, bound_tokens = prediction
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
@@ -186,8 +192,12 @@ class LLMEngine:
         req.predicted_output_tokens = min(max(req.predicted_output_tokens, req.num_output_tokens + 1), sampling.max_tokens)
         self.scheduler.add(req)
         if self.feedback is not None and predictor_text is not None:
-            # NOTE: the bound as admitted; growth and preemption raise req.predicted_output_tokens later
-            self._feedback_info[req.request_id] = (predictor_text, predictor_version, req.predicted_output_tokens)
+            # NOTE: the bound as admitted; growth and preemption raise req.predicted_output_tokens later.
+            # A pool reserving at its own quantile records the predictor's bound: the labels and the
+            # retraining trigger judge the predictor, not the pool's choice.
+            bound = req.predicted_output_tokens if predictor_bound_tokens is None \
+                else max(1, min(int(predictor_bound_tokens), sampling.max_tokens))
+            self._feedback_info[req.request_id] = (predictor_text, predictor_version, bound)
         if detokenize and self.tokenizer is not None and not stream_text and not sampling.stop and not emitted_chars:
             self._detok[req.request_id] = FinalText(self.tokenizer)
         elif detokenize and self.tokenizer is not None:

@@ -71,6 +71,8 @@ void attend_one(const float* q, const float* k_pool, const float* v_pool, const 
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& tables, const torch::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: bad shapes");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && tables.device().is_cpu() &&
+              lens.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
               "paged_decode: float32 only");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
@@ -78,7 +80,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
               lens.is_contiguous(), "paged_decode: contiguous tensors only");
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == dim && heads % kv_heads == 0, "paged_decode: head counts disagree");
+  TORCH_CHECK(k_pool.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "paged_decode: head counts disagree");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && lens.numel() == n, "paged_decode: one table row per query");
   const int64_t max_blocks = tables.size(1);
   const int64_t* len_p = lens.data_ptr<int64_t>();
@@ -109,5 +111,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (float32, CPU)");
+  // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
+  // streams tokens, as it does during torch's own ops
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

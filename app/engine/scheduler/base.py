@@ -163,6 +163,10 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= num_new
 
+        for req in self.running:
+            if req.request_id not in scheduled and req.status is RequestStatus.RUNNING:
+                self.policy.stalled(req)
+
         # NOTE: no admissions in a step that had to preempt: the pool is under pressure, and
         # admitting now would only thrash (vLLM does the same).
         if not preempted:
