@@ -116,7 +116,7 @@ class EngineStage:
                 row.error = f"line {row.line}: {exc}"
                 self.results.append(error_row(row))
                 continue
-            rows[req.request_id] = (row, bound, [])
+            rows[req.request_id] = (row, req.predicted_output_tokens, [])
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 row, bound, texts = rows[out.request_id]
@@ -157,6 +157,7 @@ class ServeStage:
         except APIError as exc:
             row.error = f"line {row.line}: {exc}"
             return error_row(row)
+        bound = min(bound, max_tokens)  # NOTE: a max fallback's NO_BOUND reserves max_tokens
         request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
                                   sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
                                   predictor_text=text, predictor_version=version, predictor_bound_tokens=own)

@@ -142,7 +142,7 @@ class PredictorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field("champion", description="champion (the MLflow alias), a registry version, a model directory, or max.")
-    bound_quantile: float | None = Field(None, gt=0, le=1, description="Reserve up to this quantile of the predicted length distribution; empty: the version's own.")
+    bound_quantile: float | None = Field(None, gt=0, le=1, description="The predictor's own bound: this quantile of the predicted length distribution (empty: the version's own, 0.8). Feedback records keep it; a pool reserves at its own bound_quantile, or at this one where that is null.")
     timeout_ms: float = Field(500, gt=0, description="A prediction slower than this is abandoned: the request reserves for max_tokens (counted).")
     poll_s: float = Field(30, gt=0, description="How often serving checks the registry for a newly promoted champion.")
     retrain: RetrainPolicy = Field(default_factory=RetrainPolicy, description="When and how feedback retrains the predictor.")

@@ -299,7 +299,7 @@ class Ingress:
         self._observe(result)
         return JSONResponse(completion(result).model_dump(), headers=headers)
 
-    async def _start(self, request: GenerateRequest, pool: str) -> tuple:
+    async def _start(self, request: GenerateRequest, pool: str, new: bool = True) -> tuple:
         """Send ``request`` to ``pool``; (stream, first item). A replica lost before the first item
         (a scale-down drained it, or it died) is retried on the pool, up to ``REQUEUE_ATTEMPTS``.
         Offline calls wait while the autoscaler has that pool at zero (deployments/pool_gate.py)."""
@@ -308,7 +308,9 @@ class Ingress:
             if pool == "offline":
                 limits = self.config.ingress
                 try:
-                    await self.offline_gate.wait(reservation_tokens([payload]), limits.flex_max_wait_s, limits.flex_max_held)
+                    # NOTE: only a new request may be refused: a requeue or a resumed answer already holds its slot
+                    max_held = limits.flex_max_held if new and attempt == 1 else None
+                    await self.offline_gate.wait(reservation_tokens([payload]), limits.flex_max_wait_s, max_held)
                 except GateFull:
                     raise errors.overloaded(limits.retry_after_s, "offline") from None
             stream = self.pools[pool].options(stream=True).generate.remote(payload)
@@ -365,7 +367,7 @@ class Ingress:
                         return
                     resumed = request.model_copy(update={"resume_output_token_ids": list(result.token_ids),
                                                          "resume_emitted_chars": len(result.text)})
-                    stream, first = await self._start(resumed, pool)
+                    stream, first = await self._start(resumed, pool, new=False)
         finally:
             if stream is not None:  # the client went away, or the answer failed: stop the engine's work
                 stream.cancel()

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request")
     ap.add_argument("--json", metavar="FILE", help="also write the rows here")
     args = ap.parse_args(argv)
+    if ":" in args.predictor:
+        ap.error("--predictor takes a predictor without :Q; the quantiles come from --quantiles")
     quantiles = [float(q) for q in args.quantiles.split(",") if q.strip()]
     if not quantiles or not all(0 < q <= 1 for q in quantiles):
         ap.error(f"--quantiles takes quantiles in (0, 1], got {args.quantiles!r}")

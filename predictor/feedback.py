@@ -31,7 +31,7 @@ class FeedbackRecord(BaseModel):
     prompt: str = Field(description="The user message text the predictor reads.")
     prompt_token_ids: list[int] | None = Field(None, description="The prompt's token ids, when kept.")
     predicted_bucket: int | None = Field(None, ge=0, description="The predicted length bucket; None without a predictor.")
-    predicted_bound_tokens: int | None = Field(None, ge=0, description="The output reservation the engine made at admission, in tokens (before any growth).")
+    predicted_bound_tokens: int | None = Field(None, ge=0, description="The predictor's output bound for the request, in tokens, as it came (before any growth; at the predictor's own quantile, whatever the pool reserved), clamped to max_tokens.")
     output_tokens: int = Field(ge=0, description="The number of tokens actually generated.")
     finish_reason: str = Field(description='Why generation ended: "stop", "length", "abort", ...')
     ignore_eos: bool = Field(False, description="The client had EOS ignored (benchmarks, load tests) or forced a "

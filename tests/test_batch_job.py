@@ -81,6 +81,7 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
         for x in ok:
             body = x["response"]["body"]
             assert body["choices"][0]["message"]["content"].strip() and body["usage"]["completion_tokens"] == x["output_tokens"] <= 12
+            assert x["predicted_tokens"] == 12  # predictor max: the row's whole max_tokens, not a sentinel
         assert lines[2]["error"]["message"] == "line 3: invalid JSON"
         assert "already used on line 1" in lines[6]["error"]["message"]
         feedback = read_feedback(home / "feedback")

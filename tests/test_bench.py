@@ -105,3 +105,5 @@ def test_quantile_sweep_in_modelled_time(tmp_path):
     assert len(json.loads((tmp_path / "s.json").read_text())["rows"]) == 3
     with pytest.raises(SystemExit):
         sweep_main(["--quantiles", "1.5"])
+    with pytest.raises(SystemExit):
+        sweep_main(["--predictor", "champion:0.8"])

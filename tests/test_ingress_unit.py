@@ -205,6 +205,11 @@ def test_flex_past_the_held_limit_gets_a_429_with_retry_after():
         asyncio.run(ingress._start(request, "offline"))
     assert err.value.status_code == 429 and err.value.headers == {"Retry-After": "2"}
     assert ingress.pools["offline"].calls == 0 and ingress.offline_gate.held_requests == 1
+    # a resumed answer (or a requeue) already holds its slot: it waits its turn, it is not refused
+    ingress.config.ingress.flex_max_wait_s = 0.05
+    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
+    _, first = asyncio.run(ingress._start(request, "offline", new=False))
+    assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
 
 
 def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:

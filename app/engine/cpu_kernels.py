@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,8 @@ PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def cpu_tag() -> str:
-    """A short name for this CPU's instruction set (the build uses ``-march=native``)."""
+    """A short name for this CPU's instruction set (the build uses ``-march=native``), Python and
+    torch (torch's loader does not tell builds for two environments apart)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -43,7 +45,8 @@ def cpu_tag() -> str:
                 break
     except OSError:
         pass
-    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+    key = f"{flags}|{sys.version_info[:2]}|{torch.__version__}"
+    return f"{platform.machine()}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
 def build_directory() -> Path:

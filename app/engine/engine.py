@@ -192,12 +192,11 @@ class LLMEngine:
         req.predicted_output_tokens = min(max(req.predicted_output_tokens, req.num_output_tokens + 1), sampling.max_tokens)
         self.scheduler.add(req)
         if self.feedback is not None and predictor_text is not None:
-            # NOTE: the bound as admitted; growth and preemption raise req.predicted_output_tokens later.
-            # A pool reserving at its own quantile records the predictor's bound: the labels and the
-            # retraining trigger judge the predictor, not the pool's choice.
-            bound = req.predicted_output_tokens if predictor_bound_tokens is None \
-                else max(1, min(int(predictor_bound_tokens), sampling.max_tokens))
-            self._feedback_info[req.request_id] = (predictor_text, predictor_version, bound)
+            # NOTE: the predictor's bound as it came (growth and preemption raise req.predicted_output_tokens
+            # later), at its own quantile whatever the pool reserved: the labels and the retraining
+            # trigger judge the predictor, not the pool's choice.
+            own = bound_tokens if predictor_bound_tokens is None else predictor_bound_tokens
+            self._feedback_info[req.request_id] = (predictor_text, predictor_version, max(1, min(int(own), sampling.max_tokens)))
         if detokenize and self.tokenizer is not None and not stream_text and not sampling.stop and not emitted_chars:
             self._detok[req.request_id] = FinalText(self.tokenizer)
         elif detokenize and self.tokenizer is not None:
