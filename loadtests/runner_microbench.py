@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (TPRunner when > 1)")
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prefill chunk of this many tokens")
     ap.add_argument("--hf", action="store_true", help="also time plain HF decoding with DynamicCache")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="KV cache dtype (auto: the weights' float32)")
     ap.add_argument("--gather-attention", action="store_true",
                     help="decode attention by gather + SDPA instead of the paged C++ kernel (cpu_paged_attention off)")
     args = ap.parse_args(argv)
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     need = max(need, -(-2 * args.prefill_tokens // args.block_size))
     config = EngineConfig(kv_cache_tokens=need * args.block_size, block_size_tokens=args.block_size,
                           torch_threads=args.threads, tensor_parallel_size=args.tp,
-                          cpu_paged_attention=not args.gather_attention)
+                          cpu_paged_attention=not args.gather_attention, kv_cache_dtype=args.kv_cache_dtype)
     if args.tp > 1:
         from app.engine.tp import TPRunner
 

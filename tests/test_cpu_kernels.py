@@ -35,8 +35,9 @@ def reference(q, k_pool, v_pool, tables, lens, scale):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads):
+def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, kv_dtype):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     num_blocks, dim = 64, 32
     lens = torch.tensor([1, 15, 16, 17, 100, 200, 7])
@@ -52,8 +53,12 @@ def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads):
         ids = ids[need:]
     tables = torch.tensor(tables)
     q = torch.randn(len(lens), heads, dim, generator=g)
+    k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
     got = op(q, k_pool, v_pool, tables, lens, 0.125)
-    torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+    assert got.dtype == torch.float32
+    # NOTE: bfloat16 K/V are read exactly (as float32), so the reference sees the same values
+    want = reference(q, k_pool.float(), v_pool.float(), tables, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
@@ -65,8 +70,10 @@ def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
         op(q, pool, pool, torch.tensor([[0]]), torch.tensor([BLOCK + 1]), 1.0)
     with pytest.raises(RuntimeError, match="length outside the table"):
         op(q, pool, pool, torch.tensor([[0]]), torch.tensor([0]), 1.0)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 queries, float32 or bfloat16 K/V only"):
         op(q.bfloat16(), pool.bfloat16(), pool.bfloat16(), torch.tensor([[0]]), torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 queries, float32 or bfloat16 K/V only"):
+        op(q, pool, pool.bfloat16(), torch.tensor([[0]]), torch.tensor([3]), 1.0)
     with pytest.raises(RuntimeError, match="one table row per query"):
         op(q, pool, pool, torch.tensor([[0], [1]]), torch.tensor([3, 3]), 1.0)
 

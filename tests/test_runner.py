@@ -232,6 +232,7 @@ def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, ref
     assert HFRunner.kv_bytes_per_token(hf, config.cache_dtype) * 2 == HFRunner.kv_bytes_per_token(hf, "float32")
     r = HFRunner(config, config.kv_pool_blocks(1))
     assert r.k_cache.dtype == torch.bfloat16 and next(r.model.parameters()).dtype == torch.float32
+    assert r.paged_decode is not None  # the kernel reads bfloat16 K/V too
     seqs = [Seq("b", prompts[1], GREEDY), Seq("c", prompts[2], GREEDY, chunk_tokens=13),
             Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3)]
     out = play_engine(r, seqs)

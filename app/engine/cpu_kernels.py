@@ -57,7 +57,8 @@ def build_directory() -> Path:
 
 def paged_decode_op() -> PagedDecode | None:
     """``paged_decode(q [n, H, D], k_pool, v_pool [blocks, block, KVH, D], tables [n, max_blocks],
-    lens [n], scale) -> [n, H, D]``, all float32 on the CPU; None where the kernel cannot be built."""
+    lens [n], scale) -> [n, H, D]`` on the CPU: float32 queries and output, float32 or bfloat16 K/V;
+    None where the kernel cannot be built."""
     with _lock:
         if "op" not in _loaded:
             _loaded["op"] = _build()

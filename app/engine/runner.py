@@ -5,7 +5,8 @@ rotary embedding). All tokens of a step are packed into one ``[T, hidden]`` tens
 layers; attention reads and writes the preallocated pool
 ``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``. Decode rows
 attend through foreserve's C++ kernel, which reads each sequence's blocks in place
-(``cpu_kernels.py``; float32 on a CPU), or else by gathering the blocks and calling SDPA.
+(``cpu_kernels.py``; float32 weights on a CPU, float32 or bfloat16 KV), or else by gathering the
+blocks and calling SDPA.
 Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
 shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside their forward.
 """
@@ -226,8 +227,8 @@ class HFRunner(Runner):
         self._kbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self._vbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self.paged_decode = None
-        if config.cpu_paged_attention and self.device.type == "cpu" and self.kv_dtype == torch.float32 \
-                and self.dtype == torch.float32:
+        if config.cpu_paged_attention and self.device.type == "cpu" and self.dtype == torch.float32 \
+                and self.kv_dtype in (torch.float32, torch.bfloat16):
             from app.engine.cpu_kernels import paged_decode_op
 
             self.paged_decode = paged_decode_op()

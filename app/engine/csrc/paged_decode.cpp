@@ -1,4 +1,6 @@
-// Decode attention that reads K/V straight from the paged pool, for float32 on the CPU.
+// Decode attention that reads K/V straight from the paged pool, on the CPU: float32 queries and
+// output, K/V in float32 or bfloat16 (read as float32; bfloat16 halves the bytes, which is what
+// decode attention is bound by).
 //
 // The torch path gathers each sequence's blocks into a contiguous buffer and calls SDPA: three
 // passes over the K/V bytes (read, write, read) and an SDPA kernel built for long queries, where a
@@ -15,7 +17,8 @@
 
 namespace {
 
-void attend_one(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+template <typename KV>
+void attend_one(const float* q, const KV* k_pool, const KV* v_pool, const int64_t* table,
                 int64_t len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
                 std::vector<float>& scores, std::vector<float>& acc, float* out) {
   const int64_t rep = heads / kv_heads;
@@ -23,13 +26,13 @@ void attend_one(const float* q, const float* k_pool, const float* v_pool, const 
   scores.resize(heads * len);
   std::vector<float> top(heads, -FLT_MAX);
   for (int64_t t = 0; t < len; ++t) {
-    const float* k_row = k_pool + table[t / block] * block_stride + (t % block) * row;
+    const KV* k_row = k_pool + table[t / block] * block_stride + (t % block) * row;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* k = k_row + (h / rep) * dim;
+      const KV* k = k_row + (h / rep) * dim;
       const float* qh = q + h * dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t x = 0; x < dim; ++x) dot += qh[x] * k[x];
+      for (int64_t x = 0; x < dim; ++x) dot += qh[x] * static_cast<float>(k[x]);
       dot *= scale;
       scores[h * len + t] = dot;
       top[h] = std::max(top[h], dot);
@@ -49,13 +52,13 @@ void attend_one(const float* q, const float* k_pool, const float* v_pool, const 
   }
   acc.assign(heads * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const float* v_row = v_pool + table[t / block] * block_stride + (t % block) * row;
+    const KV* v_row = v_pool + table[t / block] * block_stride + (t % block) * row;
     for (int64_t h = 0; h < heads; ++h) {
       const float p = scores[h * len + t];
-      const float* v = v_row + (h / rep) * dim;
+      const KV* v = v_row + (h / rep) * dim;
       float* a = acc.data() + h * dim;
 #pragma omp simd
-      for (int64_t x = 0; x < dim; ++x) a[x] += p * v[x];
+      for (int64_t x = 0; x < dim; ++x) a[x] += p * static_cast<float>(v[x]);
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -73,8 +76,10 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: bad shapes");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && tables.device().is_cpu() &&
               lens.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
-              "paged_decode: float32 only");
+  const auto kv_type = k_pool.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_pool.scalar_type() == kv_type &&
+              (kv_type == at::kFloat || kv_type == at::kBFloat16),
+              "paged_decode: float32 queries, float32 or bfloat16 K/V only");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous() &&
               lens.is_contiguous(), "paged_decode: contiguous tensors only");
@@ -95,24 +100,29 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   }
   auto out = torch::empty_like(q);
   const float* q_p = q.data_ptr<float>();
-  const float* k_p = k_pool.data_ptr<float>();
-  const float* v_p = v_pool.data_ptr<float>();
   float* o_p = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
-    for (int64_t u = begin; u < end; ++u) {
-      // Rows come sorted by length: alternate ends so each thread's contiguous share mixes long and short.
-      const int64_t i = (u % 2 == 0) ? u / 2 : n - 1 - u / 2;
-      attend_one(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, len_p[i], heads, kv_heads, dim, block,
-                 static_cast<float>(scale), scores, acc, o_p + i * heads * dim);
-    }
-  });
+  auto run = [&](auto* k_p, auto* v_p) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      for (int64_t u = begin; u < end; ++u) {
+        // Rows come sorted by length: alternate ends so each thread's contiguous share mixes long and short.
+        const int64_t i = (u % 2 == 0) ? u / 2 : n - 1 - u / 2;
+        attend_one(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, len_p[i], heads, kv_heads, dim, block,
+                   static_cast<float>(scale), scores, acc, o_p + i * heads * dim);
+      }
+    });
+  };
+  if (kv_type == at::kFloat) {
+    run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  } else {
+    run(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
   // streams tokens, as it does during torch's own ops
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (float32, CPU)",
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
