@@ -312,7 +312,7 @@ def test_sampler_seed_reproducible_and_drop():
 @pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_fast_path_equals_module(rows, bias):
-    from app.engine.runner import linear
+    from app.engine.cpu_linear import linear
 
     torch.manual_seed(rows)
     module = torch.nn.Linear(96, 320, bias=bias)
@@ -325,7 +325,7 @@ def test_linear_fast_path_equals_module(rows, bias):
 @pytest.mark.parametrize("rows", [1, 9, 512])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_equals_module(rows, bias):
-    from app.engine.runner import linear, prepack
+    from app.engine.cpu_linear import linear, prepack
 
     torch.manual_seed(rows)
     module = torch.nn.Linear(96, 320, bias=bias)
@@ -340,7 +340,7 @@ def test_prepacked_linear_equals_module(rows, bias):
 
 
 def test_prepack_leaves_what_it_cannot_pack():
-    from app.engine.runner import prepack
+    from app.engine.cpu_linear import prepack
 
     class Scaled(torch.nn.Linear):  # a TP layer's subclass keeps its own forward
         pass
@@ -360,7 +360,7 @@ def test_runner_prepacks_every_linear_unless_told_not_to(runner):
 
 
 def test_linear_leaves_other_modules_to_their_forward():
-    from app.engine.runner import linear
+    from app.engine.cpu_linear import linear
 
     class Scaled(torch.nn.Linear):  # a subclass (e.g. a TP layer) keeps its own forward
         def forward(self, x):
