@@ -31,7 +31,8 @@ class PredictStage:
         source, version = resolve_predictor(predictor)
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
         self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
-        self.bound_quantile = bound_quantile  # the offline pool's: what its engines reserve
+        # NOTE: the offline pool's quantile: what its engines reserve (None: the version's bound)
+        self.offline_config = None if bound_quantile is None else EngineConfig(bound_quantile=bound_quantile)
         self.threads = threads
         print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -45,9 +46,8 @@ class PredictStage:
         batch["bucket"] = list(pred.buckets)
         batch["predictor_bound_tokens"] = list(pred.bound_tokens)
         batch["bound_tokens"] = list(pred.bound_tokens)
-        if self.bound_quantile is not None:
-            pool = EngineConfig(bound_quantile=self.bound_quantile)
-            batch["bound_tokens"] = [pool.reservation_bound(p, b, self.predictor.buckets.max_tokens)
+        if self.offline_config is not None:
+            batch["bound_tokens"] = [self.offline_config.reservation_bound(p, b, self.predictor.buckets.max_tokens)
                                      for p, b in zip(pred.probabilities.tolist(), pred.bound_tokens)]
         batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
         return batch
@@ -96,7 +96,6 @@ class EngineStage:
 
         self.config = EngineConfig.model_validate(engine)
         self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
-        self.limit = min(self.config.max_model_len_tokens, self.engine.pool.capacity_tokens)
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
@@ -108,7 +107,8 @@ class EngineStage:
         config, rows = self.config, {}
         for row, bucket, bound, text, version, own in _rows(batch, self.store.done_lines()):
             try:
-                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.limit, config.default_max_tokens)
+                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
+                                              config.default_max_tokens)
                 req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
                                               tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
                                               predictor_version=version, predictor_bound_tokens=own)

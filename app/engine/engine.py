@@ -159,7 +159,7 @@ class LLMEngine:
         if output_token_ids and len(output_token_ids) >= sampling.max_tokens:
             raise RequestRejected(f"nothing left to generate: {len(output_token_ids)} of max_tokens {sampling.max_tokens} done")
         total = len(prompt_token_ids) + sampling.max_tokens
-        limit = min(self.config.max_model_len_tokens, self.pool.capacity_tokens)
+        limit = self.sequence_limit_tokens
         if total > limit:
             raise RequestRejected(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
@@ -204,6 +204,11 @@ class LLMEngine:
             if req.output_token_ids:
                 self._detok[req.request_id].resume(req.output_token_ids, emitted_chars)
         return req
+
+    @property
+    def sequence_limit_tokens(self) -> int:
+        """The longest prompt + output one request may reach here: the context, or the KV pool if smaller."""
+        return min(self.config.max_model_len_tokens, self.pool.capacity_tokens)
 
     def predict(self, text: str) -> tuple[tuple[int, list[float], int], float | None, str | None]:
         """The engine's own predictor on one text: ((bucket, probs, bound), rank tokens, version)."""
