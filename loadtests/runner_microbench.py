@@ -22,13 +22,13 @@ from app.engine.kv_pool import KVPool  # noqa: E402
 from app.engine.request import SamplingParams, ScheduledChunk, SchedulerOutput  # noqa: E402
 
 
-def bench_runner(runner, batch: int, context: int, steps: int, warmup: int) -> float:
+def bench_runner(runner, batch: int, context: int, steps: int, warmup: int,
+                 sampling: SamplingParams = SamplingParams(temperature=0.0)) -> float:
     pool = KVPool(runner.num_blocks, runner.block_size)
-    greedy = SamplingParams(temperature=0.0)
     tables = [pool.allocate(pool.blocks_for(context + warmup + steps + 1)) for _ in range(batch)]
     times = []
     for s in range(warmup + steps):
-        chunks = [ScheduledChunk(f"r{i}", [100 + i], context + s, tables[i], True, greedy, s) for i in range(batch)]
+        chunks = [ScheduledChunk(f"r{i}", [100 + i], context + s, tables[i], True, sampling, s) for i in range(batch)]
         out = runner.execute(SchedulerOutput(chunks))
         if s >= warmup:
             times.append(out.step_s)
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", action="store_true", help="also time plain HF decoding with DynamicCache")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="KV cache dtype (auto: the weights' float32)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample decode rows at this temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top-p of sampled rows")
     ap.add_argument("--gather-attention", action="store_true",
                     help="decode attention by gather + SDPA instead of the paged C++ kernel (cpu_paged_attention off)")
     args = ap.parse_args(argv)
@@ -109,9 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
     try:
         threads = runner.config.torch_threads if args.tp > 1 else torch.get_num_threads()
-        print(f"threads per rank={threads} context_tokens={args.context_tokens} tp={args.tp}")
+        print(f"threads per rank={threads} context_tokens={args.context_tokens} tp={args.tp} "
+              f"temperature={args.temperature} top_p={args.top_p}")
         for b in args.batch:
-            ms = bench_runner(runner, b, args.context_tokens, args.steps, args.warmup)
+            sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
+            ms = bench_runner(runner, b, args.context_tokens, args.steps, args.warmup, sampling)
             line = f"batch {b:3d}: runner {ms:8.1f} ms/step  ({b / ms * 1000:7.1f} tok/s)"
             if args.hf and args.tp == 1:
                 hf_ms = bench_hf(hf_model, b, args.context_tokens, args.steps, args.warmup)

@@ -3,11 +3,17 @@ EOS (no forced lengths) so the feedback store holds the model's *own* output len
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tqdm import tqdm
 
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
+
+
+def request_id(split: str, trace_id: str) -> str:
+    return f"collect-{split}-{trace_id}"
 
 
 def collect_feedback(
@@ -20,12 +26,15 @@ def collect_feedback(
     seed: int = 0,
     kv_cache_tokens: int = 16384,
     torch_threads: int | None = None,
+    root: Path | None = None,
 ) -> dict:
     """Generate answers for ``num_prompts`` trace prompts on the offline engine configuration
     (``reserve_predicted`` + ``offline``, the champion predicting); every finished request appends
-    its feedback record. Returns counts and throughput."""
+    its feedback record. Prompts the store already holds an answer to (by request id) are skipped,
+    so a stopped collection resumes where it was. ``root``: the feedback store (default: the data
+    dir's). Returns counts and throughput."""
     from app.prepare.traces import load_trace
-    from predictor.feedback import FeedbackWriter
+    from predictor.feedback import FeedbackWriter, scan_feedback
     from predictor.loading import load_predictor_or_max
 
     if num_prompts < 1 or offset < 0:
@@ -33,27 +42,31 @@ def collect_feedback(
     records = load_trace(split)[offset : offset + num_prompts]
     if not records:
         raise ValueError(f"no {split} prompts at offset {offset}")
+    answered = {r.request_id for r in scan_feedback(root)[0]}
+    todo = [(offset + j, r) for j, r in enumerate(records) if request_id(split, r.id) not in answered]
+    if not todo:
+        return {"requests": 0, "already_answered": len(records)}
     config = EngineConfig(
         allocation="reserve_predicted", scheduler="offline", kv_cache_tokens=kv_cache_tokens,
         default_max_tokens=max_tokens, max_model_len_tokens=max_tokens + 1024, torch_threads=torch_threads,
     )
     predictor = load_predictor_or_max("champion")
-    with FeedbackWriter() as writer:
+    with FeedbackWriter(root) as writer:
         engine = LLMEngine.from_config(config, predictor=predictor, feedback=writer)
         try:
-            pred = predictor.predict([r.user for r in records])
-            for i, rec in enumerate(records):
+            pred = predictor.predict([rec.user for _, rec in todo])
+            for i, (position, rec) in enumerate(todo):
                 engine.add_request(
                     prompt=rec.prompt,
-                    sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + offset + i),
-                    request_id=f"collect-{split}-{rec.id}",
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + position),
+                    request_id=request_id(split, rec.id),
                     tier="offline",
                     prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
                     predictor_text=rec.user,
                     predictor_version=getattr(predictor, "version", None),
                     detokenize=False,
                 )
-            with tqdm(total=len(records), desc="collect feedback", unit="req") as bar:
+            with tqdm(total=len(todo), desc="collect feedback", unit="req") as bar:
                 while engine.has_unfinished_requests():
                     done = sum(o.finished for o in engine.step())
                     bar.update(done)
@@ -61,7 +74,8 @@ def collect_feedback(
         finally:
             engine.shutdown()
     return {
-        "requests": len(records),
+        "requests": len(todo),
+        "already_answered": len(records) - len(todo),
         "feedback_file": str(writer.path),
         "output_tokens": stats.output_tokens,
         "wall_s": round(stats.wall_s, 1),

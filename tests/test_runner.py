@@ -309,6 +309,41 @@ def test_sampler_seed_reproducible_and_drop():
     assert [a.sample(logits, ["r"], [p], [n])[0] for n in range(20)] == seq_a
 
 
+def _reference_draws(row: torch.Tensor, top_k: int, top_p: float, uniform: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+    """The textbook filter on one row (full sort, top-k, then top-p), drawn by inverse CDF; and
+    the tokens it keeps."""
+    values, order = row.sort(descending=True)
+    if top_k > 0:
+        values = values[:top_k]
+    probs = torch.softmax(values.double(), dim=0)
+    keep = int(((probs.cumsum(0) - probs) < top_p).sum().clamp_min(1))
+    cdf = probs[:keep].cumsum(0) / probs[:keep].sum()
+    return order[torch.searchsorted(cdf, uniform.double(), right=True).clamp_max(keep - 1)], set(order[:keep].tolist())
+
+
+def test_sampler_candidate_filter_draws_as_the_full_sort():
+    """Top-k / top-p among the largest logits, with the full sort where they do not suffice, must
+    draw what filtering the whole sorted vocabulary draws, for every uniform value."""
+    from app.engine.sampler import CANDIDATES
+
+    vocab = 4 * CANDIDATES + 13
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    peaked = (-3.0 * ranks.log())[torch.randperm(vocab, generator=g)]  # top-p mass within the candidates
+    flat = torch.randn(vocab, generator=g) * 0.1  # it is not: the full-sort fallback
+    cases = [(peaked, 0, 0.9), (flat, 0, 0.9), (peaked, 50, 0.95), (flat, 3 * CANDIDATES, 1.0),
+             (flat, 7, 1.0), (peaked, 0, 1.0), (flat, 0, 1e-50)]
+    uniform = (torch.arange(997, dtype=torch.float32) + 0.5) / 997
+    n = len(uniform)
+    logits = torch.stack([row for row, _, _ in cases for _ in range(n)])
+    picks = Sampler._sample_filtered(logits, [k for _, k, _ in cases for _ in range(n)],
+                                     [p for _, _, p in cases for _ in range(n)], uniform.repeat(len(cases)))
+    for c, (row, k, p) in enumerate(cases):
+        (want, kept), got = _reference_draws(row, k, p, uniform), picks[c * n : (c + 1) * n]
+        assert set(got.tolist()) <= kept, c
+        assert (got == want).float().mean() >= 0.995, c  # a draw on a float-rounded edge may differ
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_fast_path_equals_module(rows, bias):

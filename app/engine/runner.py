@@ -211,9 +211,12 @@ class HFRunner(Runner):
         self.sampler.drop(scheduler_output.finished_request_ids)
         sampled: dict[str, int] = {}
         if scheduler_output.chunks:
-            # NOTE: the step's small index tensors are made on the runner's device
-            with torch.inference_mode(), torch.device(self.device):
-                step = self._prepare(scheduler_output.chunks)
+            with torch.inference_mode():
+                # NOTE: the step's small index tensors are made on the runner's device. Only here: a
+                # device context sends every torch call through a Python mode (microseconds each,
+                # ~750 calls in a forward), so the forward and the sampler name devices themselves.
+                with torch.device(self.device):
+                    step = self._prepare(scheduler_output.chunks)
                 logits = self._forward(step)
                 if sample and step.sample_chunks:
                     cs = step.sample_chunks
@@ -360,8 +363,8 @@ class HFRunner(Runner):
         shape = (blocks.shape[0], *kc.shape[1:])
         numel = shape[0] * kc[0].numel()
         if self._kbuf.numel() < numel:
-            self._kbuf = torch.empty(numel, dtype=self.kv_dtype)
-            self._vbuf = torch.empty(numel, dtype=self.kv_dtype)
+            self._kbuf = torch.empty(numel, dtype=self.kv_dtype, device=self.device)
+            self._vbuf = torch.empty(numel, dtype=self.kv_dtype, device=self.device)
         kout = self._kbuf[:numel].view(shape)
         vout = self._vbuf[:numel].view(shape)
         torch.index_select(kc, 0, blocks, out=kout)
