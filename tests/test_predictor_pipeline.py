@@ -97,7 +97,7 @@ def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
 def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr("predictor.retrain.trace_examples", lambda split: list(TRAIN))  # the "original data"
     train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
-    policy = RetrainPolicy(min_records=10, every_records=20, original_examples=8, holdout_frac=0.3)
+    policy = RetrainPolicy(min_records=10, every_records=20, original_examples=8, holdout_frac=0.3, epochs=1)
     assert not retrain_from_feedback(policy)["retrained"]  # no feedback yet: the trigger does not fire
     with FeedbackWriter() as writer:
         for i in range(40):
@@ -129,7 +129,7 @@ def test_retrain_runs_as_a_ray_task(home: Path):
     env = {"FORESERVE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
     ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": env})
     try:
-        policy = RetrainPolicy(min_records=10, every_records=20, original_examples=0, holdout_frac=0.3)
+        policy = RetrainPolicy(min_records=10, every_records=20, original_examples=0, holdout_frac=0.3, epochs=1)
         result = ray.get(submit_retrain(policy), timeout=300)
     finally:
         ray.shutdown()
