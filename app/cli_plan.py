@@ -143,7 +143,7 @@ def cmd_calibrate_cpu(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler_ab(args: argparse.Namespace) -> int:
-    from app.config import EngineConfig
+    from app.config import EngineConfig, load_pool_config
     from app.engine.profiles import parse_sim_spec
     from app.engine.sim import SimRunner
     from autoscale.capacity import Workload
@@ -169,7 +169,9 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, aging_tokens_per_step=args.aging_tokens_per_step,
     )
     workload = Workload.sharegpt(2000, args.max_tokens)
-    predictions = None if args.predictor == "oracle" else predict_workload(workload, args.predictor)
+    # NOTE: a real predictor's bounds at the online pool's quantile (serve_config.yaml), as the ingress reserves
+    quantile = args.bound_quantile if args.bound_quantile is not None else load_pool_config("online").bound_quantile
+    predictions = None if args.predictor == "oracle" else predict_workload(workload, args.predictor, quantile)
     report = scheduler_ab(runner, config, workload, args.rates, args.duration, args.seeds, tuple(args.schedulers),
                           args.bucket_noise, predictions, args.order_by)
     a, b = report["schedulers"]
@@ -268,6 +270,8 @@ def add_parser(sub) -> None:
     ab.add_argument("--predictor", default="oracle",
                     help="oracle (default: exact buckets, blurred by --bucket-noise, and exact lengths to order by) "
                     "or a real predictor (champion, a registry version, a model directory) run over the trace's prompts")
+    ab.add_argument("--bound-quantile", type=float, help="a real predictor's reservation quantile (default: the "
+                    "online pool's bound_quantile in serve_config.yaml, 0.8)")
     ab.add_argument("--order-by", choices=("rank", "bound"), default="rank",
                     help="what the online scheduler orders by: the predictor's ranking estimate (default) or its "
                     "reservation bound")

@@ -179,7 +179,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       description="What serving does for every request, offline: the champion predicts, the engine "
                       "generates until EOS or max_tokens, and each finished request appends a feedback record "
                       "carrying the serving model's own length. Prompts the store already answered are skipped: "
-                      "run the same command again to resume a stopped collection.")
+                      "run the same command again to resume a stopped collection (prompts are matched by trace id alone, so "
+                      "a rerun with other settings does not answer them again).")
     c.add_argument("--prompts", type=int, default=200, help="how many trace prompts (default 200)")
     c.add_argument("--split", choices=("train", "validation"), default="validation")
     c.add_argument("--offset", type=int, default=0, help="skip this many prompts of the split")

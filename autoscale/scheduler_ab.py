@@ -38,13 +38,14 @@ class Predictions:
     source: str
 
 
-def predict_workload(workload: Workload, predictor_name: str) -> Predictions:
-    """A real predictor (``champion``, a version, a model directory) over the workload's prompts."""
+def predict_workload(workload: Workload, predictor_name: str, bound_quantile: float | None = None) -> Predictions:
+    """A real predictor (``champion``, a version, a model directory) over the workload's prompts,
+    its bounds at ``bound_quantile`` (None: the version's own)."""
     from predictor.loading import load_predictor
 
     if not workload.texts:
         raise ValueError("this workload has no prompt texts (build the traces with `foreserve prepare`)")
-    predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens))
+    predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens), bound_quantile=bound_quantile)
     pred = predictor.predict(workload.texts)
     return Predictions(list(pred.buckets), list(pred.bound_tokens), pred.rank_tokens,
                        f"{predictor_name} (version {getattr(predictor, 'version', '?')})")

@@ -185,6 +185,19 @@ def test_training_is_deterministic_and_save_load_round_trips(tmp_path):
     assert all(1.0 <= r <= TINY_SPEC.max_tokens for r in ranks)
     assert all((ranks[i] < ranks[j]) == (scores[i] < scores[j]) for i in range(5) for j in range(5) if i != j)
 
+    # `plan scheduler-ab` replays a real predictor at the quantile it is given (the online pool's)
+    from autoscale.capacity import Workload
+    from autoscale.scheduler_ab import predict_workload
+
+    work = Workload([10] * 5, [100] * 5, TINY_SPEC.max_tokens, [e.text for e in TINY[:5]])
+    bounds = {}
+    for q in (0.3, 0.99):
+        want = LearnedPredictor.from_dir(tmp_path / "m", bound_quantile=q).predict(work.texts).bound_tokens
+        bounds[q] = predict_workload(work, str(tmp_path / "m"), q).bounds
+        assert bounds[q] == list(want)
+    assert bounds[0.3] != bounds[0.99]
+    assert predict_workload(work, str(tmp_path / "m")).bounds == list(again.bound_tokens)  # the version's own
+
 
 def test_corrupt_model_dir_is_a_clear_error(tmp_path):
     (tmp_path / "bad").mkdir()

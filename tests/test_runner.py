@@ -331,8 +331,9 @@ def test_sampler_candidate_filter_draws_as_the_full_sort():
     ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
     peaked = (-3.0 * ranks.log())[torch.randperm(vocab, generator=g)]  # top-p mass within the candidates
     flat = torch.randn(vocab, generator=g) * 0.1  # it is not: the full-sort fallback
+    zipf = (-ranks.log())[torch.randperm(vocab, generator=g)]  # a top-k past the candidates moves its top-p cut
     cases = [(peaked, 0, 0.9), (flat, 0, 0.9), (peaked, 50, 0.95), (flat, 3 * CANDIDATES, 1.0),
-             (flat, 7, 1.0), (peaked, 0, 1.0), (flat, 0, 1e-50)]
+             (zipf, 3 * CANDIDATES, 0.5), (flat, 7, 1.0), (peaked, 0, 1.0), (flat, 0, 1e-50)]
     uniform = (torch.arange(997, dtype=torch.float32) + 0.5) / 997
     n = len(uniform)
     logits = torch.stack([row for row, _, _ in cases for _ in range(n)])
@@ -342,6 +343,24 @@ def test_sampler_candidate_filter_draws_as_the_full_sort():
         (want, kept), got = _reference_draws(row, k, p, uniform), picks[c * n : (c + 1) * n]
         assert set(got.tolist()) <= kept, c
         assert (got == want).float().mean() >= 0.995, c  # a draw on a float-rounded edge may differ
+
+
+def test_sampler_row_draws_do_not_depend_on_the_rows_beside_it():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 1000, generator=g) * 2
+    plain, nucleus = _params(temperature=1.0, seed=7), _params(temperature=1.0, top_p=0.5, seed=8)
+    alone = [Sampler().sample(logits[:1], ["a"], [plain], [n])[0] for n in range(30)]
+    beside = [Sampler().sample(logits[:2], ["a", "b"], [plain, nucleus], [n, n])[0] for n in range(30)]
+    assert alone == beside and len(set(alone)) > 5
+    alone = [Sampler().sample(logits[1:2], ["b"], [nucleus], [n])[0] for n in range(30)]
+    assert alone == [Sampler().sample(logits[:2], ["a", "b"], [plain, nucleus], [n, n])[1] for n in range(30)]
+
+
+def test_sampler_refuses_nan_logits():
+    logits = torch.tensor([[1.0, float("nan"), 0.0]])
+    for params in (_params(seed=1), _params(top_p=0.5, seed=1), _params(top_k=2, seed=1)):
+        with pytest.raises(RuntimeError, match="no finite positive probabilities"):
+            Sampler().sample(logits, ["x"], [params], [0])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS

@@ -9,7 +9,7 @@ import torch
 from app.engine.request import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
-# top-k / top-p rows are filtered among this many largest logits (see Sampler._filter)
+# top-k / top-p rows are filtered among this many largest logits (see Sampler._sample_filtered)
 CANDIDATES = 256
 
 
@@ -62,7 +62,7 @@ class Sampler:
             return tokens.tolist()
         idx = torch.tensor(random_rows, device=logits.device)
         # NOTE: random rows are drawn on the CPU with per-request CPU generators: the same seed
-        # gives the same tokens whatever the runner's device and however requests are batched.
+        # gives the same tokens whatever the runner's device and whatever rows share the step.
         sub = logits.index_select(0, idx).float().cpu()
         temps = torch.tensor([params[i].temperature for i in random_rows], dtype=sub.dtype, device="cpu")
         sub = sub / temps[:, None]
@@ -70,15 +70,22 @@ class Sampler:
             torch.rand(1, generator=self._generator(request_ids[i], params[i], num_output_tokens[i]))
             for i in random_rows
         ])
-        top_ks = [params[i].top_k for i in random_rows]
-        top_ps = [params[i].top_p for i in random_rows]
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            picks = self._sample_filtered(sub, top_ks, top_ps, uniform)
-        else:
-            picks = _inverse_cdf(torch.softmax(sub, dim=-1), uniform)
+        filtered = torch.tensor([params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows])
+        picks = torch.empty(len(random_rows), dtype=torch.long)
+        # NOTE: an unfiltered row is drawn in vocabulary order, a filtered one in sorted order: each
+        # row always the same way, so a seed's tokens do not depend on the rows beside it.
+        if (~filtered).any():
+            plain = (~filtered).nonzero().flatten()
+            picks[plain] = _inverse_cdf(torch.softmax(sub[plain], dim=-1), uniform[plain])
+        if filtered.any():
+            rows = filtered.nonzero().flatten()
+            chosen = [random_rows[r] for r in rows.tolist()]
+            picks[rows] = self._sample_filtered(sub[rows], [params[i].top_k for i in chosen],
+                                                [params[i].top_p for i in chosen], uniform[rows])
+        out = tokens.tolist()
         for row, i in enumerate(random_rows):
-            tokens[i] = picks[row]
-        return tokens.tolist()
+            out[i] = int(picks[row])
+        return out
 
     @staticmethod
     def _sample_filtered(logits: torch.Tensor, top_ks: list[int], top_ps: list[float], uniform: torch.Tensor) -> torch.Tensor:
@@ -86,9 +93,9 @@ class Sampler:
 
         Rows are filtered among their ``CANDIDATES`` largest logits (a partial sort), with
         probabilities normalised over the whole vocabulary. That is exact wherever the kept tokens
-        all lie among the candidates: a top-k within them, or a top-p whose mass they reach (every
-        row of SmolLM2's answers at top-p 0.9, temperature 0.7). The other rows (a flat
-        distribution, a larger top-k, no filter beside filtered rows) take a full sort.
+        all lie among the candidates: a top-k within them, or (no top-k) a top-p whose mass they
+        reach (every row of SmolLM2's answers at top-p 0.9, temperature 0.7). The other rows (a
+        flat distribution, a top-k beyond the candidates) take a full sort.
         NOTE: a full sort of the 49k vocabulary, then multinomial over it, was 40% of a batch-36
         decode step on 2 CPU cores."""
         vocab, device = logits.shape[-1], logits.device
@@ -101,7 +108,9 @@ class Sampler:
         within_k = ks <= width  # as the full sort does, normalise over the top-k alone
         norm = torch.where(within_k, top.logsumexp(dim=-1), logits.logsumexp(dim=-1))
         probs = (top - norm[:, None]).exp()
-        exact = within_k | (probs.sum(dim=-1) >= ps)
+        # NOTE: a top-k beyond the candidates but short of the vocabulary renormalises over k
+        # tokens the candidates do not all hold: the full sort
+        exact = within_k | ((ks >= vocab) & (probs.sum(dim=-1) >= ps))
         picks = ids.gather(1, _inverse_cdf(_apply_top_p(probs, ps, ranks), uniform)[:, None]).squeeze(1)
         rest = (~exact).nonzero().flatten()
         if len(rest):
@@ -135,5 +144,8 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     ``uniform`` (in [0, 1)) of its total: a draw from the normalised row. Always an index of
     positive weight, since the sum must grow past the target there."""
     cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # NaN logits, or nothing left to draw
+        raise RuntimeError("sampling: a row has no finite positive probabilities (NaN or -inf logits)")
     target = (uniform * cdf[:, -1])[:, None].contiguous()
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(weights.shape[-1] - 1)
