@@ -147,5 +147,5 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):  # NaN logits, or nothing left to draw
         raise RuntimeError("sampling: a row has no finite positive probabilities (NaN or -inf logits)")
-    target = (uniform * cdf[:, -1])[:, None].contiguous()
+    target = (uniform * total)[:, None].contiguous()
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(weights.shape[-1] - 1)
