@@ -116,9 +116,7 @@ def minilm_features(texts: list[str], version: str | None, max_tokens: int = 256
     with torch.inference_mode():
         for batch in tqdm(_length_sorted_batches([len(t) for t in ids], 8192, 64), desc=f"MiniLM {version or 'backbone'}", unit="batch"):
             x, mask = collate([ids[i] for i in batch], tokenizer.pad_token_id)
-            states = model.encoder(input_ids=x, attention_mask=mask)
-            m = mask.unsqueeze(-1).to(states.dtype)
-            out[batch] = ((states * m).sum(1) / m.sum(1)).numpy()
+            out[batch] = model.embed(x, mask).numpy()
     return out
 
 

@@ -84,11 +84,14 @@ class LengthModel(nn.Module):
         self.bucket_head = nn.Linear(hidden, spec.num_buckets)
         self.score_head = nn.Linear(hidden, 1)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's output mean-pooled over the prompt's tokens: what the heads read."""
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        pooled = self.dropout(pooled)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.dropout(self.embed(input_ids, attention_mask))
         return self.bucket_head(pooled), self.score_head(pooled).squeeze(-1)
 
     # -- persistence -----------------------------------------------------------------------
