@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app import paths
-from predictor.retrain import RetrainPolicy
+from predictor.training.retrain import RetrainPolicy
 
 
 class EngineConfig(BaseModel):
@@ -52,7 +52,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        from app.engine.allocation import POLICIES
+        from app.engine.kv.allocation import POLICIES
         from app.engine.scheduler import SCHEDULERS
 
         if self.allocation not in POLICIES:
@@ -117,8 +117,8 @@ class EngineConfig(BaseModel):
         not send."""
         per_token = 1
         if self.kv_cache_bytes is not None:
-            from app.engine.llama import model_config
-            from app.engine.runner import HFRunner
+            from app.engine.model.llama import model_config
+            from app.engine.model.hf_runner import HFRunner
 
             per_token = HFRunner.kv_bytes_per_token(model_config(self.model_path), self.cache_dtype)
         return min(self.max_model_len_tokens, self.kv_pool_blocks(per_token) * self.block_size_tokens)

@@ -1,7 +1,5 @@
-"""Autoscaling and capacity planning.
+"""Autoscaling: what replicas report (signals.py), the online/offline rules and the app-level
+ElasticPolicy that Ray Serve runs (policy.py), and the decision log (decisions.py).
 
-signals.py (what replicas report, per pool), policy.py (online/offline rules and the app-level
-ElasticPolicy that Ray Serve runs), decisions.py (the decision log and metrics), capacity.py (one
-replica on the engine's simulator), planner.py (``foreserve plan``), day.py (the simulated day),
-calibrate.py (the cost model against this CPU).
+Capacity planning in modelled time lives in ``planning/``.
 """

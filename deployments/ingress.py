@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api import errors
 from app.api.prompt import chat_prompt
-from app.batch_api import BatchCreate, BatchStore
+from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.config import AppConfig
 from app.engine.request import SamplingParams
@@ -68,7 +68,7 @@ install_error_handlers(app)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, online: DeploymentHandle, offline: DeploymentHandle, predictor: DeploymentHandle, config: dict) -> None:
-        from app.engine.tokenizer import load_tokenizer
+        from app.engine.text.tokenizer import load_tokenizer
         from deployments.metrics import RequestMetrics
 
         self.config = AppConfig.model_validate(config)

@@ -118,7 +118,7 @@ class RetrainTrigger:
     def tick(self, predictor) -> None:
         import ray
 
-        from predictor.retrain import retrain_due, submit_retrain
+        from predictor.training.retrain import retrain_due, submit_retrain
 
         if self.running is not None:
             done, _ = ray.wait([self.running], timeout=0)

@@ -1,1 +1,1 @@
-"""Load tests and benchmarks."""
+"""Load tests (Locust runs and their reports); benchmarks live in ``bench/``."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from app.cli_serve import free_port
+from app.cli.serve import free_port
 from loadtests.stages import Stages, parse_stages
 from loadtests.summary import SLO, read_records, summarize
 
@@ -82,7 +82,7 @@ class Service:
     def __init__(self, config: Path | None, log_path: Path, timeout_s: float = 300) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), "--no-prepare"]
+        cmd = [sys.executable, "-m", "app.cli.main", "serve", "--port", str(self.port), "--no-prepare"]
         if config:
             cmd += ["--config", str(config)]
         env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}

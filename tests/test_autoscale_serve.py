@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 def test_online_burst_makes_offline_yield_and_come_back(tmp_path, monkeypatch):
-    from loadtests.autoscale_burst import run
+    from loadtests.bench.burst import run
 
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.batch_io import InputRow, ResultStore, error_row, ok_row, read_input
+from app.batch.io import InputRow, ResultStore, error_row, ok_row, read_input
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -100,7 +100,8 @@ def test_parquet_input_with_json_string_bodies(tmp_path: Path):
 
 
 def test_submit_fails_fast_on_unreadable_input_before_any_cluster(tmp_path, capsys, monkeypatch):
-    from app import cli, jobs
+    from app import cli
+    from app.batch import jobs
 
     monkeypatch.setattr(jobs, "client", lambda *a, **k: pytest.fail("no cluster may be started for a bad input"))
     assert cli.main(["batch", "submit", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out")]) == 2
@@ -108,8 +109,8 @@ def test_submit_fails_fast_on_unreadable_input_before_any_cluster(tmp_path, caps
 
 
 def test_status_counts_rows_from_parts_while_running(tmp_path):
-    from app.batch import read_status, write_status
-    from app.batch_io import InputRow, ResultStore, error_row
+    from app.batch.job import read_status, write_status
+    from app.batch.io import InputRow, ResultStore, error_row
 
     write_status(tmp_path, state="running", rows_total=3, started_at=1.0)
     ResultStore(tmp_path).writer().append_many([error_row(InputRow(1, "a", error="x")), error_row(InputRow(1, "a", error="x")),
@@ -121,9 +122,9 @@ def test_status_counts_rows_from_parts_while_running(tmp_path):
 def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
     import pyarrow.parquet as pq
 
-    from app.batch import write_parquet
-    from app.batch_stages import completion_body
-    from app.batch_io import InputRow
+    from app.batch.job import write_parquet
+    from app.batch.stages import completion_body
+    from app.batch.io import InputRow
 
     store = ResultStore(tmp_path)
     body = completion_body("r1", MODEL, "hi", 5, 2, "stop")
@@ -137,10 +138,10 @@ def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
 def test_batch_api_without_a_ray_job_loses_nothing(tmp_path: Path, monkeypatch):
     """A submit that fails leaves no batch behind (503); a batch whose Ray job is gone (cluster
     restarted) reports what its job left on disk instead of failing the request."""
-    from app import jobs
+    from app.batch import jobs
     from app.api.errors import APIError
-    from app.batch import write_status
-    from app.batch_api import BatchCreate, BatchStore
+    from app.batch.job import write_status
+    from app.batch.api import BatchCreate, BatchStore
 
     def gone(*_a, **_k):
         raise jobs.JobError("no batch job")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app import paths
-from app.cli_serve import free_port
+from app.cli.serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -60,8 +60,8 @@ def _once(results: Path, n: int) -> list[dict]:
 def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    from app.batch import run_job
-    from app.batch_io import ResultStore, ResultRow
+    from app.batch.job import run_job
+    from app.batch.io import ResultStore, ResultRow
     from predictor.feedback import read_feedback, scan_jsonl
 
     env = _home(tmp_path, monkeypatch)
@@ -108,9 +108,9 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
 def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    from app.batch import run_job
-    from app.batch_io import ResultStore
-    from loadtests.batch_job import engine_actor_pid
+    from app.batch.job import run_job
+    from app.batch.io import ResultStore
+    from loadtests.bench.batch_job import engine_actor_pid
 
     env = _home(tmp_path, monkeypatch)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -135,7 +135,7 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
         assert killed, "the engine actor was never killed"
         assert summary["rows"] == 6
         _once(Path(summary["results"]), 6)
-        from app.batch_io import ResultRow
+        from app.batch.io import ResultRow
         from predictor.feedback import scan_jsonl
 
         written = [r.line for r in scan_jsonl(ResultStore(out).parts, ResultRow)[0]]
@@ -148,8 +148,8 @@ def test_ray_job_stopped_and_resubmitted_with_same_id_resumes(tmp_path: Path, mo
     import ray
     from ray.job_submission import JobSubmissionClient
 
-    from app import jobs
-    from app.batch_io import ResultStore
+    from app.batch import jobs
+    from app.batch.io import ResultStore
 
     env = _home(tmp_path, monkeypatch)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from app.cli import main
+from app.cli.main import main
 from app.prepare.traces import load_trace
-from loadtests.throughput import run_benchmark
+from loadtests.bench.throughput import run_benchmark
 
 CONTRACT_KEYS = {
     "policy", "scheduler", "wall_s", "output_tokens", "output_tokens_per_s", "requests_per_s",
@@ -77,22 +77,22 @@ def test_real_model_benchmark_writes_the_json_contract(tmp_path, capsys):
     ],
 )
 def test_cli_rejects_bad_input_with_a_message(args, message):
-    proc = subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "app.cli.main", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_cli_help_lists_commands():
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "app.cli.main", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     for word in ("prepare", "bench", "generate"):
         assert word in proc.stdout
 
 
 def test_quantile_sweep_in_modelled_time(tmp_path):
-    from loadtests.quantile_sweep import main as sweep_main
-    from loadtests.quantile_sweep import sweep
+    from scripts.quantile_sweep import main as sweep_main
+    from scripts.quantile_sweep import sweep
 
     rows = sweep([16, 32], "oracle", [0.7])
     assert [(r["requests"], r["predictor"]) for r in rows] == [

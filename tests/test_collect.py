@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.prepare.traces import load_trace
-from predictor.collect import collect_feedback, request_id
+from predictor.training.collect import collect_feedback, request_id
 from predictor.feedback import scan_feedback
 
 pytestmark = [pytest.mark.model, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.engine.cpu_kernels import cpu_tag, paged_decode_op
+from app.engine.model.cpu_kernels import cpu_tag, paged_decode_op
 
 BLOCK = 16
 
@@ -86,7 +86,7 @@ def test_cpu_tag_names_the_instruction_set():
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
     """torch's loader waits forever on its ``lock`` file; one left behind by a process killed
     mid-build is removed under foreserve's own flock, so the next load goes ahead."""
-    from app.engine import cpu_kernels
+    from app.engine.model import cpu_kernels
 
     stale = cpu_kernels.build_directory() / "lock"
     stale.touch()

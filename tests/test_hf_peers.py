@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from loadtests.hf_peers import PeerRequest, normalize_requests, static_batches
+from loadtests.bench.hf_peers import PeerRequest, normalize_requests, static_batches
 
 ROW_KEYS = {
     "policy", "scheduler", "wall_s", "output_tokens", "output_tokens_per_s", "requests_per_s",
@@ -32,7 +32,7 @@ def test_normalize_caps_and_validates():
 @pytest.fixture(scope="module")
 def peer_model():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from loadtests.hf_peers import load_peer_model
+    from loadtests.bench.hf_peers import load_peer_model
 
     return load_peer_model()
 
@@ -52,7 +52,7 @@ def requests_(peer_model):
 @pytest.mark.model
 @pytest.mark.parametrize("peer", ["hf_static", "hf_continuous"])
 def test_peer_counts_useful_tokens(peer, peer_model, requests_):
-    from loadtests.hf_peers import run_hf_continuous, run_hf_static
+    from loadtests.bench.hf_peers import run_hf_continuous, run_hf_static
 
     model, tok = peer_model
     fn = run_hf_static if peer == "hf_static" else run_hf_continuous
@@ -69,7 +69,7 @@ def test_peer_counts_useful_tokens(peer, peer_model, requests_):
 
 @pytest.mark.model
 def test_continuous_preempts_in_a_tight_budget(peer_model, requests_):
-    from loadtests.hf_peers import run_hf_continuous
+    from loadtests.bench.hf_peers import run_hf_continuous
 
     model, tok = peer_model
     row = run_hf_continuous(model, tok, requests_, kv_tokens=128, max_tokens=16)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from app.engine.llama import load_model, model_config, read_config, unsupported
-from app.engine.tokenizer import ChatTokenizer, load_tokenizer
+from app.engine.model.llama import load_model, model_config, read_config, unsupported
+from app.engine.text.tokenizer import ChatTokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

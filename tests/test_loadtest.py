@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from app.cli_serve import free_port
+from app.cli.serve import free_port
 from loadtests.loadtest import ROOT, LoadSpec, _measure, build_workload, get_json
 from loadtests.stages import parse_stages, parse_tier_mix
 from loadtests.summary import SLO, meets_slo, summarize, tpot_ms

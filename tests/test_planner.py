@@ -9,13 +9,13 @@ import random
 import pytest
 
 from app.config import EngineConfig
-from app.engine.profiles import HARDWARE, MODELS
-from app.engine.sim import SimRunner
-from autoscale.calibrate import CPU_OVERHEAD_S, _components, _step_components, calibrate_trace, cpu_model, cpu_profile, fit
-from autoscale.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
-from autoscale.day import LOADS, diurnal_rates, simulate_day
-from autoscale.planner import PlanRequest, _pool_choice, feasible_tps
-from autoscale.scheduler_ab import Predictions, queued_order_gain, scheduler_ab
+from app.engine.sim.profiles import HARDWARE, MODELS
+from app.engine.sim.runner import SimRunner
+from autoscale.planning.calibrate import CPU_OVERHEAD_S, _components, _step_components, calibrate_trace, cpu_model, cpu_profile, fit
+from autoscale.planning.capacity import PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
+from autoscale.planning.day import LOADS, diurnal_rates, simulate_day
+from autoscale.planning.planner import PlanRequest, _pool_choice, feasible_tps
+from autoscale.planning.scheduler_ab import Predictions, queued_order_gain, scheduler_ab
 
 WORKLOAD = Workload.lognormal(400, 111, 330, seed=1)
 
@@ -107,8 +107,8 @@ def test_calibration_fit_recovers_known_constants():
 
 @pytest.mark.slow
 def test_plan_report_contract_table_and_plot(tmp_path, capsys):
-    from app.cli_plan import plot_frontier, print_plan
-    from autoscale.planner import plan
+    from app.cli.plan import plot_frontier, print_plan
+    from autoscale.planning.planner import plan
 
     req = PlanRequest(model="llama-3-8b", hardware="H100-80G", rate_rps=30, offline_tokens_per_day=1e9,
                       policies=("reserve_predicted", "reserve_max"), tp_options=(1, 2), duration_s=5)
@@ -129,7 +129,7 @@ def test_plan_report_contract_table_and_plot(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.model
 def test_calibration_measures_the_real_model():
-    from autoscale.calibrate import calibrate
+    from autoscale.planning.calibrate import calibrate
 
     report = calibrate([1, 8], context=64, repeats=2)
     assert [p["batch_size"] for p in report["points"]] == [1, 8]
@@ -227,7 +227,7 @@ def test_queued_order_gain():
 
 
 def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     calibration = tmp_path / "cal.json"
     calibration.write_text(json.dumps({"fitted": {"memory_bandwidth_bytes_per_s": 3.5e9, "flops": 1.8e10}}))
@@ -243,7 +243,7 @@ def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 def test_scheduler_ab_rejects_bad_input_clearly(tmp_path, capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     runner, config = _cpu_ab_config()
     workload = Workload.lognormal(50, 111, 150, max_tokens=256, seed=2)

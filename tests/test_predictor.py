@@ -11,13 +11,13 @@ import torch
 
 from predictor.base import LengthPrediction, LengthPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
-from predictor.dataset import Example, feedback_examples, read_eval_file, training_examples
+from predictor.training.dataset import Example, feedback_examples, read_eval_file, training_examples
 from predictor.feedback import FeedbackRecord, read_feedback
 from predictor.learned import LearnedPredictor, decode
-from predictor.metrics import score_predictions
+from predictor.training.metrics import score_predictions
 from predictor.model import LengthModel, ModelSpec, backbone_path, encode_prompts
-from predictor.retrain import RetrainPolicy, is_holdout, mispredicted, trigger_reason
-from predictor.train import TrainConfig, make_batches, train_model
+from predictor.training.retrain import RetrainPolicy, is_holdout, mispredicted, trigger_reason
+from predictor.training.train import TrainConfig, make_batches, train_model
 from tests.engine_helpers import make_engine, run_all
 
 B = LengthBuckets()  # 10 buckets of 102.4 tokens over 1024
@@ -186,8 +186,8 @@ def test_training_is_deterministic_and_save_load_round_trips(tmp_path):
     assert all((ranks[i] < ranks[j]) == (scores[i] < scores[j]) for i in range(5) for j in range(5) if i != j)
 
     # `plan scheduler-ab` replays a real predictor at the quantile it is given (the online pool's)
-    from autoscale.capacity import Workload
-    from autoscale.scheduler_ab import predict_workload
+    from autoscale.planning.capacity import Workload
+    from autoscale.planning.scheduler_ab import predict_workload
 
     work = Workload([10] * 5, [100] * 5, TINY_SPEC.max_tokens, [e.text for e in TINY[:5]])
     bounds = {}

@@ -11,7 +11,7 @@ import pytest
 from deployments.predictor import LengthPredictorServer
 from predictor import registry
 from predictor.base import NO_BOUND
-from predictor.pipeline import train_and_register
+from predictor.training.pipeline import train_and_register
 from tests.test_predictor_pipeline import CONFIG, EVAL, SPEC, TRAIN, home  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -59,7 +59,7 @@ def test_a_failing_poll_does_not_end_the_poller(home: Path, monkeypatch: pytest.
 def test_a_declined_retrain_holds_the_trigger(monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    import predictor.retrain
+    import predictor.training.retrain
     from app.config import PredictorConfig
     from deployments.predictor import RetrainTrigger
 
@@ -68,7 +68,7 @@ def test_a_declined_retrain_holds_the_trigger(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
     monkeypatch.setattr(ray, "get", lambda ref: {"retrained": False, "reason": "too little usable feedback"})
     due = []
-    monkeypatch.setattr(predictor.retrain, "retrain_due", lambda policy, spec: due.append(1))
+    monkeypatch.setattr(predictor.training.retrain, "retrain_due", lambda policy, spec: due.append(1))
     champion = type("Learned", (), {"spec": SPEC})()
     trigger.tick(champion)
     trigger.tick(champion)

@@ -11,16 +11,16 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from app.cli import main
+from app.cli.main import main
 from predictor import registry
 from predictor.base import MaxPredictor
-from predictor.dataset import Example
+from predictor.training.dataset import Example
 from predictor.feedback import FeedbackRecord, FeedbackWriter
 from predictor.learned import LearnedPredictor
 from predictor.model import ModelSpec
-from predictor.pipeline import load_predictor, load_predictor_or_max, train_and_register
-from predictor.retrain import RetrainPolicy, retrain_from_feedback
-from predictor.train import TrainConfig
+from predictor.training.pipeline import load_predictor, load_predictor_or_max, train_and_register
+from predictor.training.retrain import RetrainPolicy, retrain_from_feedback
+from predictor.training.train import TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -95,7 +95,7 @@ def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
 
 
 def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("predictor.retrain.trace_examples", lambda split: list(TRAIN))  # the "original data"
+    monkeypatch.setattr("predictor.training.retrain.trace_examples", lambda split: list(TRAIN))  # the "original data"
     train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
     policy = RetrainPolicy(min_records=10, every_records=20, original_examples=8, holdout_frac=0.3, epochs=1)
     assert not retrain_from_feedback(policy)["retrained"]  # no feedback yet: the trigger does not fire
@@ -118,7 +118,7 @@ def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypa
 def test_retrain_runs_as_a_ray_task(home: Path):
     import ray
 
-    from predictor.retrain import submit_retrain
+    from predictor.training.retrain import submit_retrain
 
     train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
     with FeedbackWriter() as writer:

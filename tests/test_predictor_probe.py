@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadtests.predictor_probe import _length_sorted_batches, crossfit, probe, serving_model_features
+from scripts.predictor_probe import _length_sorted_batches, crossfit, probe, serving_model_features
 from predictor.buckets import LengthBuckets
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.config import EngineConfig
-from app.engine.kv_pool import KVPool
+from app.engine.kv.pool import KVPool
 from app.engine.request import SamplingParams, ScheduledChunk, SchedulerOutput
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,7 +81,7 @@ def play_engine(runner, seqs: list[Seq], max_new: int = NEW_TOKENS) -> dict[str,
 
 @pytest.fixture(scope="module")
 def runner():
-    from app.engine.runner import HFRunner
+    from app.engine.model.hf_runner import HFRunner
 
     # NOTE: one intra-op thread: these batches are tiny, and a second OpenMP thread stalls badly
     # when other processes share the cores. torch's thread count is process-wide: restore it.
@@ -128,7 +128,7 @@ def reference(runner, prompts, hf_model) -> list[list[int]]:
 def test_kv_bytes_per_token():
     from transformers import AutoConfig
 
-    from app.engine.runner import HFRunner
+    from app.engine.model.hf_runner import HFRunner
     from app.paths import model_dir
 
     hf = AutoConfig.from_pretrained(model_dir())
@@ -138,8 +138,8 @@ def test_kv_bytes_per_token():
 
 @pytest.mark.model
 def test_runner_loads_foreserve_llama_by_default_and_transformers_on_request(runner, prompts, reference):
-    from app.engine.llama import LlamaForCausalLM
-    from app.engine.runner import HFRunner
+    from app.engine.model.llama import LlamaForCausalLM
+    from app.engine.model.hf_runner import HFRunner
 
     assert type(runner.model) is LlamaForCausalLM
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight  # tied, as in the checkpoint
@@ -179,7 +179,7 @@ def test_greedy_mixed_batch_matches_generate(runner, prompts, reference):
 @pytest.fixture(scope="module")
 def gather_runner(runner):
     """Decode attention by gather + SDPA (the path where the C++ kernel is off or cannot be built)."""
-    from app.engine.runner import HFRunner
+    from app.engine.model.hf_runner import HFRunner
 
     config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, cpu_paged_attention=False)
     return HFRunner(config, config.kv_pool_blocks(1))
@@ -203,7 +203,7 @@ def test_greedy_in_several_decode_groups_matches_generate(runner, gather_runner,
 
 
 def test_decode_groups_cover_sorted_rows_in_equal_slices():
-    from app.engine.runner import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
+    from app.engine.model.hf_runner import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
 
     assert decode_groups([]) == []
     assert decode_groups(list(range(5))) == [(0, 5)]  # too few rows to split
@@ -224,7 +224,7 @@ def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, ref
     turned at its 21st token of 24. The first 16 tokens of every answer must agree."""
     from transformers import AutoConfig
 
-    from app.engine.runner import HFRunner
+    from app.engine.model.hf_runner import HFRunner
 
     config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, kv_cache_dtype="bfloat16")
     hf = AutoConfig.from_pretrained(config.model_path)
@@ -263,7 +263,7 @@ def test_rejects_chunk_beyond_block_table(runner):
 @pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_fast_path_equals_module(rows, bias):
-    from app.engine.cpu_linear import linear
+    from app.engine.model.cpu_linear import linear
 
     torch.manual_seed(rows)
     module = torch.nn.Linear(96, 320, bias=bias)
@@ -276,7 +276,7 @@ def test_linear_fast_path_equals_module(rows, bias):
 @pytest.mark.parametrize("rows", [1, 9, 512])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_equals_module(rows, bias):
-    from app.engine.cpu_linear import linear, prepack
+    from app.engine.model.cpu_linear import linear, prepack
 
     torch.manual_seed(rows)
     module = torch.nn.Linear(96, 320, bias=bias)
@@ -291,7 +291,7 @@ def test_prepacked_linear_equals_module(rows, bias):
 
 
 def test_prepack_leaves_what_it_cannot_pack():
-    from app.engine.cpu_linear import prepack
+    from app.engine.model.cpu_linear import prepack
 
     class Scaled(torch.nn.Linear):  # a TP layer's subclass keeps its own forward
         pass
@@ -303,7 +303,7 @@ def test_prepack_leaves_what_it_cannot_pack():
 
 @pytest.mark.model
 def test_runner_prepacks_every_linear_unless_told_not_to(runner):
-    from app.engine.runner import HFRunner
+    from app.engine.model.hf_runner import HFRunner
 
     assert len(runner.packed) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
     plain = HFRunner(EngineConfig(kv_cache_tokens=64, block_size_tokens=BLOCK, cpu_prepacked_linears=False), 4)
@@ -311,7 +311,7 @@ def test_runner_prepacks_every_linear_unless_told_not_to(runner):
 
 
 def test_linear_leaves_other_modules_to_their_forward():
-    from app.engine.cpu_linear import linear
+    from app.engine.model.cpu_linear import linear
 
     class Scaled(torch.nn.Linear):  # a subclass (e.g. a TP layer) keeps its own forward
         def forward(self, x):
@@ -325,7 +325,7 @@ def test_linear_leaves_other_modules_to_their_forward():
 def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
     import threading
 
-    from app.engine.runner import on_short_lived_thread
+    from app.engine.model.hf_runner import on_short_lived_thread
 
     seen: list[threading.Thread] = []
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.engine.request import SamplingParams
-from app.engine.sampler import Sampler
+from app.engine.model.sampler import Sampler
 
 
 def _params(**kw) -> SamplingParams:
@@ -72,7 +72,7 @@ def _reference_draws(row: torch.Tensor, top_k: int, top_p: float, uniform: torch
 def test_sampler_candidate_filter_draws_as_the_full_sort():
     """Top-k / top-p among the largest logits, with the full sort where they do not suffice, must
     draw what filtering the whole sorted vocabulary draws, for every uniform value."""
-    from app.engine.sampler import CANDIDATES
+    from app.engine.model.sampler import CANDIDATES
 
     vocab = 4 * CANDIDATES + 13
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.config import EngineConfig
-from app.engine.allocation import POLICIES
+from app.engine.kv.allocation import POLICIES
 from app.engine.engine import RequestRejected
 from app.engine.request import SamplingParams
 from app.engine.scheduler import SCHEDULERS

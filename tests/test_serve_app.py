@@ -44,9 +44,9 @@ def _config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    from app.cli_serve import _stop, free_port, start
+    from app.cli.serve import _stop, free_port, start
     from predictor import registry
-    from predictor.pipeline import train_and_register
+    from predictor.training.pipeline import train_and_register
     from tests.test_predictor_pipeline import CONFIG, EVAL, SPEC, TRAIN
 
     tmp = tmp_path_factory.mktemp("serve")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.profiles import HARDWARE, MODELS, ModelProfile, kv_budget_bytes_per_rank, parse_sim_spec
+from app.engine.sim.profiles import HARDWARE, MODELS, ModelProfile, kv_budget_bytes_per_rank, parse_sim_spec
 from app.engine.request import SamplingParams, ScheduledChunk, SchedulerOutput
-from app.engine.sim import DUMMY_TOKEN_ID, SimRunner
+from app.engine.sim.runner import DUMMY_TOKEN_ID, SimRunner
 
 SP = SamplingParams(max_tokens=16)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.engine.timeline import Timeline
+from app.engine.kv.timeline import Timeline
 
 
 def occupancy(tl: Timeline, steps: int) -> list[int]:
@@ -42,8 +42,8 @@ def test_a_stalled_sequence_keeps_its_memory_promised():
     """A running sequence the step leaves out (token budget, online TPOT cap) falls behind its
     one-token-per-step ramp; re-anchored, its ramp ends when the sequence really does, so the
     timeline does not promise its blocks to a newcomer meanwhile."""
-    from app.engine.allocation import ReservePredicted
-    from app.engine.kv_pool import KVPool
+    from app.engine.kv.allocation import ReservePredicted
+    from app.engine.kv.pool import KVPool
     from app.engine.request import Request, SamplingParams
     from predictor.buckets import LengthBuckets
 

@@ -34,8 +34,8 @@ def _seqs(prompts: list[list[int]]) -> list[Seq]:
 
 
 def test_tp2_matches_tp1_and_shuts_down_cleanly():
-    from app.engine.runner import HFRunner
-    from app.engine.tp import TPGroupError, TPRunner, _shm_path
+    from app.engine.model.hf_runner import HFRunner
+    from app.engine.parallel.tp import TPGroupError, TPRunner, _shm_path
 
     import torch
 

@@ -10,9 +10,9 @@ import uuid
 from dataclasses import dataclass
 
 from app.config import EngineConfig
-from app.engine.allocation import make_policy
-from app.engine.detokenizer import Detokenizer, FinalText
-from app.engine.kv_pool import KVPool
+from app.engine.kv.allocation import make_policy
+from app.engine.text.detokenizer import Detokenizer, FinalText
+from app.engine.kv.pool import KVPool
 from app.engine.request import Request, RequestOutput, RequestStatus, Runner, SamplingParams
 from app.engine.scheduler import make_scheduler
 from predictor.base import LengthPrediction, LengthPredictor, MaxPredictor
@@ -81,17 +81,17 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
-        from app.engine.llama import model_config
-        from app.engine.runner import HFRunner, on_short_lived_thread
+        from app.engine.model.llama import model_config
+        from app.engine.model.hf_runner import HFRunner, on_short_lived_thread
 
         hf_config = model_config(config.model_path)
         num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.cache_dtype))
         if config.tensor_parallel_size > 1 and config.use_ray_tp_workers():
-            from app.engine.tp_ray import RayTPRunner
+            from app.engine.parallel.ray_ranks import RayTPRunner
 
             runner: Runner = RayTPRunner(config, num_blocks)
         elif config.tensor_parallel_size > 1:
-            from app.engine.tp import TPRunner
+            from app.engine.parallel.tp import TPRunner
 
             runner = TPRunner(config, num_blocks)  # its ranks are processes of their own
         else:

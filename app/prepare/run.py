@@ -21,7 +21,7 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     model_path = ensure_model()
     t1 = time.perf_counter()
     traces_path = ensure_traces(force=force)
-    from app.engine.cpu_kernels import paged_decode_op
+    from app.engine.model.cpu_kernels import paged_decode_op
 
     kernel = paged_decode_op() is not None
     t2 = time.perf_counter()
@@ -29,7 +29,7 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     champion = None
     if predictor:
         from predictor import registry
-        from predictor.pipeline import ensure_champion
+        from predictor.training.pipeline import ensure_champion
 
         trained = ensure_champion()
         champion = {"version": registry.champion_version(), "trained_now": trained}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.config import EngineConfig
-from app.engine.allocation import AllocationPolicy, Grow
+from app.engine.kv.allocation import AllocationPolicy, Grow
 from app.engine.request import (
     ModelRunnerOutput,
     Request,

@@ -1,0 +1,1 @@
+"""Offline batch jobs: the job driver, Ray Data stages, row io, the Ray Jobs client and the Files/Batch API objects."""

@@ -1,0 +1,213 @@
+"""The batch job's actors: ``PredictStage`` (Ray Data, the length predictor), ``EngineStage`` (an
+``LLMEngine`` of the job's own) and ``ServeStage`` (a running Serve app's offline pool); each
+finished row goes to the actor's own part file (``app/batch_io.py``). ``app/batch.py`` drives them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from app.api.errors import APIError
+from app.batch.io import InputRow, ResultRow, ResultStore, error_row, ok_row
+from app.config import EngineConfig
+
+
+class PredictStage:
+    """Ray Data actor: adds ``bucket``, ``bound_tokens`` (what the offline pool reserves: its
+    ``bound_quantile`` of the predicted distribution), ``predictor_bound_tokens`` (the version's own,
+    for the feedback record) and ``predictor_version`` columns.
+
+    ``predictor``: ``champion``, a registry version, a directory or ``max``, resolved here once
+    (``predictor.loading.resolve_predictor``; the job's one actor, so one version for every row,
+    and each row records it). Resolving here rather than in the driver lets the actor start
+    while the engines load: the registry lookup (MLflow's imports, ~1.5 s of CPU) was on the
+    job's critical path before Ray Data could start the actor."""
+
+    def __init__(self, predictor: str, threads: int = 1, bound_quantile: float | None = None) -> None:
+        t0 = time.perf_counter()
+        from app.engine.model.hf_runner import on_short_lived_thread
+        from predictor.loading import load_predictor_or_max, resolve_predictor
+
+        source, version = resolve_predictor(predictor)
+        # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
+        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
+        # NOTE: the offline pool's quantile: what its engines reserve (None: the version's bound)
+        self.offline_config = None if bound_quantile is None else EngineConfig(bound_quantile=bound_quantile)
+        self.threads = threads
+        print(f"predictor {self.predictor.version} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+
+        t0 = time.perf_counter()
+        torch.set_num_threads(self.threads)  # NOTE: per calling thread (OpenMP), like the runner's
+        pred = self.predictor.predict(list(batch["text"]))
+        print(f"predicted {len(pred.buckets)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+        batch["bucket"] = list(pred.buckets)
+        batch["predictor_bound_tokens"] = list(pred.bound_tokens)
+        batch["bound_tokens"] = list(pred.bound_tokens)
+        if self.offline_config is not None:
+            batch["bound_tokens"] = [self.offline_config.reservation_bound(p, b, self.predictor.buckets.max_tokens)
+                                     for p, b in zip(pred.probabilities.tolist(), pred.bound_tokens)]
+        batch["predictor_version"] = [str(self.predictor.version)] * len(pred.buckets)
+        return batch
+
+
+def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, output_tokens: int,
+                    finish_reason: str | None) -> dict:
+    """A finished answer as an OpenAI chat completion (with usage)."""
+    from app.api.schemas import ChatCompletion, Choice, ResponseMessage, Usage
+
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens, total_tokens=prompt_tokens + output_tokens)
+    reason = "length" if finish_reason == "length" else "stop"
+    return ChatCompletion(id=request_id, model=model, usage=usage, service_tier="flex",
+                          choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
+
+
+def _rows(batch: list[dict], skip: set[int]):
+    """(row, bucket, bound, predictor text, predictor version, predictor's own bound) for every
+    predicted row of a batch that is not in ``skip`` (lines some part already answers: a retried
+    batch after a crash)."""
+    from app.api.schemas import ChatCompletionRequest
+
+    for item in batch:
+        if int(item["line"]) in skip:
+            continue
+        row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
+        own = item.get("predictor_bound_tokens", item["bound_tokens"])
+        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"]), int(own)
+
+
+def _sampling(body, max_tokens: int):
+    from app.engine.request import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stop_list, ignore_eos=body.ignore_eos)
+
+
+class EngineStage:
+    """Engine actor: runs batches of predicted rows through its own ``LLMEngine``; each row's
+    result is on disk as soon as it finishes, all of them before ``run`` returns."""
+
+    def __init__(self, engine: dict, out_dir: str) -> None:
+        t0 = time.perf_counter()
+        from app.engine.engine import LLMEngine
+        from predictor.feedback import FeedbackWriter
+
+        self.config = EngineConfig.model_validate(engine)
+        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
+        self.store = ResultStore(out_dir)
+        self.results = self.store.writer()
+
+    def run(self, batch: list[dict]) -> int:
+        """Generate every row of ``batch`` not answered yet; returns the number of rows in it."""
+        from app.api.prompt import chat_prompt
+
+        config, rows = self.config, {}
+        for row, bucket, bound, text, version, own in _rows(batch, self.store.done_lines()):
+            try:
+                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
+                                              config.default_max_tokens)
+                req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
+                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
+                                              predictor_version=version, predictor_bound_tokens=own)
+            except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
+                row.error = f"line {row.line}: {exc}"
+                self.results.append(error_row(row))
+                continue
+            rows[req.request_id] = (row, req.predicted_output_tokens, [])
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                row, bound, texts = rows[out.request_id]
+                texts.append(out.text_delta)
+                if out.finished:
+                    body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
+                                           out.num_output_tokens, out.finish_reason)
+                    self.results.append(ok_row(row, body, bound))
+        return len(batch)  # NOTE: progress only; the results are in the part files
+
+
+SERVE_ATTEMPTS = 3  # a row whose offline replica goes away under it is sent again this many times in all
+
+
+class ServeStage:
+    """Actor that sends every row of a batch to a running foreserve app's offline pool (whose
+    replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
+
+    def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
+        from ray import serve
+        from app.engine.text.tokenizer import load_tokenizer
+
+        self.config = EngineConfig.model_validate(engine)
+        self.limit = self.config.sequence_limit_tokens()
+        self.tokenizer = load_tokenizer(self.config.model_path)
+        self.app_name = app_name
+        self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
+        self.store = ResultStore(out_dir)
+        self.results = self.store.writer()
+
+    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str, own: int) -> ResultRow:
+        from app.api.prompt import chat_prompt
+        from deployments.engine_server import GenerateRequest
+
+        config = self.config
+        try:
+            ids, max_tokens = chat_prompt(self.tokenizer, row.request, self.limit, config.default_max_tokens)
+        except APIError as exc:
+            row.error = f"line {row.line}: {exc}"
+            return error_row(row)
+        bound = min(bound, max_tokens)  # NOTE: a max fallback's NO_BOUND reserves max_tokens
+        request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
+                                  sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
+                                  predictor_text=text, predictor_version=version, predictor_bound_tokens=own)
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        from deployments.pool_gate import wait_until_up
+
+        for attempt in range(1, SERVE_ATTEMPTS + 1):
+            texts, last = [], None
+            if attempt > 1:  # NOTE: the replica went away: the pool may have yielded to online
+                wait_until_up(self.app_name, "offline")
+            try:
+                for item in self.pool.generate.remote(request.model_dump()):
+                    if "error" in item:
+                        row.error = f"line {row.line}: {item['error']['message']}"
+                        return error_row(row)
+                    texts.append(item["text"])
+                    last = item
+                break
+            except (RayActorError, ActorUnavailableError):
+                # NOTE: the replica was drained by a scale-down (or died): requeue the row, recompute it
+                if attempt == SERVE_ATTEMPTS:
+                    raise
+        body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
+                               last["completion_tokens"], last["finish_reason"])
+        return ok_row(row, body, bound)
+
+    def run(self, batch: list[dict]) -> int:
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from deployments.pool_gate import wait_until_up
+
+        rows = list(_rows(batch, self.store.done_lines()))
+        if rows:  # NOTE: one controller query per batch, not per row: do not wake a pool yielded to online
+            wait_until_up(self.app_name, "offline")
+        with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
+            for future in as_completed([pool.submit(self._one, *args) for args in rows]):
+                self.results.append(future.result())
+        return len(batch)
+
+
+def running_app(app_name: str = "foreserve") -> bool:
+    """Whether this Ray cluster runs a foreserve Serve app with an offline pool (checked without
+    starting Serve)."""
+    import ray
+
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    if not any("SERVE_CONTROLLER" in name for name in names):
+        return False
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    return app is not None and "offline" in app.deployments and app.status == "RUNNING"

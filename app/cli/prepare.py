@@ -1,0 +1,60 @@
+"""`foreserve prepare` (model, traces, first predictor) and `foreserve generate` (one answer, no server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from app.prepare.run import prepare
+
+    summary = prepare(force=args.force, predictor=not args.no_predictor)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one chat completion from the engine (no server): a quick way to see the model work."""
+    import asyncio
+
+    from app.config import load_pool_config
+    from app.engine.async_engine import AsyncLLMEngine
+    from app.engine.engine import LLMEngine
+    from app.engine.request import SamplingParams
+
+    config = load_pool_config(args.pool, args.config, tensor_parallel_size=args.tp)
+    engine = LLMEngine.from_config(config)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
+    )
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    aengine = AsyncLLMEngine(engine)
+
+    async def stream() -> None:
+        async for out in aengine.generate(prompt=prompt, sampling=sampling):
+            print(out.text_delta, end="", flush=True)
+        print()
+
+    try:
+        asyncio.run(stream())
+    finally:
+        aengine.shutdown()
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="build the embedded model folder, the ShareGPT traces and a first length predictor (idempotent)")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--no-predictor", action="store_true", help="skip training the first length predictor")
+    p.set_defaults(func=cmd_prepare)
+
+    g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DeepSpeed AutoTP ranks)")
+    g.add_argument("--config", help="serve_config.yaml to read the pool from (default: the repository's)")
+    g.add_argument("--pool", default="online", choices=("online", "offline"), help="which pool's engine settings")
+    g.set_defaults(func=cmd_generate)

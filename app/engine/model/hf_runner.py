@@ -1,0 +1,375 @@
+"""HFRunner: a Llama-family Hugging Face causal LM with its KV cache in the paged pool.
+
+The forward is our own, built from the HF model's modules (embeddings, norms, projections, MLP,
+rotary embedding). All tokens of a step are packed into one ``[T, hidden]`` tensor for the linear
+layers; attention reads and writes the preallocated pool
+``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``. Decode rows
+attend through foreserve's C++ kernel, which reads each sequence's blocks in place
+(``cpu_kernels.py``; float32 weights on a CPU, float32 or bfloat16 KV), or else by gathering the
+blocks and calling SDPA.
+Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
+shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside their forward.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from app.config import EngineConfig
+from app.engine.model.cpu_linear import linear, prepack
+from app.engine.request import ModelRunnerOutput, Runner, ScheduledChunk, SchedulerOutput
+from app.engine.model.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decode attention gathers each sequence's KV blocks padded to the longest context of its group, so
+# decode rows are sorted by context and cut into up to this many equal groups of at least
+# DECODE_GROUP_ROWS rows: one SDPA per group. 4 groups read 35% fewer bytes than one (batch 32,
+# contexts 200-1200, measured here); more groups cost more calls than they save.
+MAX_DECODE_GROUPS = 4
+DECODE_GROUP_ROWS = 8
+T = TypeVar("T")
+
+
+def _is_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
+    """Llama's ``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections."""
+    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return hasattr(mlp, "act_fn") and all(type(p) is torch.nn.Linear for p in parts)
+
+
+def on_short_lived_thread(build: Callable[[], T]) -> T:
+    """``build()`` run on a thread of its own that ends with it; its exception is re-raised here.
+
+    OpenMP keeps one thread team per thread that runs parallel work, and two teams in one process
+    make every step slower: a model loaded on one thread and stepped on another (Ray Data's actors
+    call ``__call__`` on a worker thread, the async engine steps on its own) ran its decode steps
+    ~1.2x slower on 2 cores, measured here (Ray Data batch job: 1.5x against the same engine in one
+    thread). Loading on a thread that ends frees its team, so the stepping thread owns the only one.
+    """
+    # NOTE: leaving the ``with`` joins the executor's one worker thread, which frees its team
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="foreserve-load") as loader:
+        return loader.submit(build).result()
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's rotate-half RoPE on ``[T, heads, head_dim]`` with ``cos/sin: [T, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # rows [start, end) of the packed step
+    end: int
+    ctx_tokens: int  # attends to positions [0, ctx_tokens)
+    block_ids: torch.Tensor | None  # None: the chunk starts at position 0, attend to its own K/V
+    mask: torch.Tensor | None  # [n, ctx] True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    start: int  # decode rows [start, end)
+    end: int
+    blocks: torch.Tensor  # [(end - start) * max_blocks] block tables padded to the group's longest context
+    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] True = attend
+
+
+def decode_groups(ctx: list[int]) -> list[tuple[int, int]]:
+    """Row ranges of decode rows sorted by ascending context ``ctx``: equal-sized groups, up to
+    ``MAX_DECODE_GROUPS`` of at least ``DECODE_GROUP_ROWS`` rows."""
+    n = len(ctx)
+    groups = max(1, min(MAX_DECODE_GROUPS, n // DECODE_GROUP_ROWS))
+    cuts = [round(g * n / groups) for g in range(groups + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@dataclass(slots=True)
+class _Step:
+    """Index tensors for one step, built once and reused by every layer."""
+
+    input_ids: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat pool slot of each token
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor
+    num_decode: int  # rows [0, num_decode) are one-token chunks, by ascending context
+    decode: list[_DecodeGroup]  # the gather + SDPA path's groups; empty under the paged kernel
+    decode_tables: torch.Tensor | None  # the paged kernel's [num_decode, max_blocks] block tables
+    decode_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends to
+    prefills: list[_Prefill]
+    sample_rows: torch.Tensor  # rows whose logits are computed
+    sample_chunks: list[ScheduledChunk]
+
+
+class HFRunner(Runner):
+    """Runs the model in this process. ``model`` lets a caller pass an already built (e.g. sharded) one."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, model: torch.nn.Module | None = None,
+                 with_tokenizer: bool = True) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from app.engine.model.llama import load_model
+        from app.engine.text.tokenizer import load_tokenizer
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        # NOTE: OpenMP's thread count is per calling thread: a step run from another thread (the
+        # async engine's, a Ray Data actor's UDF thread) would fall back to OMP_NUM_THREADS, which
+        # Ray sets to an actor's CPU count (1 for fractional CPUs): 35% fewer tokens/s, measured
+        self.threads = torch.get_num_threads()
+        self.config = config
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.block_size_tokens
+        self.num_blocks = num_blocks
+        if model is None:
+            self.device = resolve_device(config.device)
+            model = load_model(config.model_path, config.model_impl, self.dtype, self.device)
+        else:  # an already placed (e.g. sharded) model
+            self.device = next(model.parameters()).device
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(config.model_path) if with_tokenizer else None
+        eos = self.model.config.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+
+        inner = self.model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = self.model.lm_head
+        # NOTE: decided once: plain Llama-style layers go through ``linear``; TP-sharded ones
+        # (DeepSpeed's modules, which all-reduce inside) run their own forward.
+        self.plain_mlp = all(_is_plain_gated_mlp(layer.mlp) for layer in self.layers)
+        self.plain_lm_head = type(self.lm_head) is torch.nn.Linear
+        # NOTE: a dict by module; a module missing from it (not packed) runs the plain path
+        self.packed: dict[torch.nn.Module, torch.Tensor] = {}
+        if config.cpu_prepacked_linears:
+            attn_parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+            mlp_parts = ("gate_proj", "up_proj", "down_proj")
+            modules = [getattr(layer.self_attn, n) for layer in self.layers for n in attn_parts]
+            modules += [getattr(layer.mlp, n) for layer in self.layers for n in mlp_parts if hasattr(layer.mlp, n)]
+            modules.append(self.lm_head)
+            self.packed = {m: w for m in modules if (w := prepack(m)) is not None}
+        attn = self.layers[0].self_attn
+        hf = self.model.config
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # NOTE: local head counts come from the (possibly sharded) weights, never from the config.
+        self.num_heads = attn.q_proj.weight.shape[0] // self.head_dim
+        self.num_kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
+        self.num_rep = self.num_heads // self.num_kv_heads
+        self.scale = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        self.vocab_size = hf.vocab_size
+        shape = (len(self.layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_dtype = torch_dtype(config.cache_dtype)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.sampler = Sampler(config.seed)
+        # NOTE: reused gather buffers; a fresh multi-MB tensor per layer costs page faults every step.
+        self._kbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        self._vbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        self.paged_decode = None
+        if config.cpu_paged_attention and self.device.type == "cpu" and self.dtype == torch.float32 \
+                and self.kv_dtype in (torch.float32, torch.bfloat16):
+            from app.engine.model.cpu_kernels import paged_decode_op
+
+            self.paged_decode = paged_decode_op()
+
+    @staticmethod
+    def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
+        """K + V bytes one token takes over all layers (whole model, all ranks together)."""
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+        return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
+
+    # -- step --------------------------------------------------------------------------------
+    def execute(self, scheduler_output: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+        """Run one step. ``sample=False`` (TP ranks other than 0) runs the forward only."""
+        t0 = time.perf_counter()
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        self.sampler.drop(scheduler_output.finished_request_ids)
+        sampled: dict[str, int] = {}
+        if scheduler_output.chunks:
+            with torch.inference_mode():
+                # NOTE: the step's small index tensors are made on the runner's device. Only here: a
+                # device context sends every torch call through a Python mode (microseconds each,
+                # ~750 calls in a forward), so the forward and the sampler name devices themselves.
+                with torch.device(self.device):
+                    step = self._prepare(scheduler_output.chunks)
+                logits = self._forward(step)
+                if sample and step.sample_chunks:
+                    cs = step.sample_chunks
+                    tokens = self.sampler.sample(logits, [c.request_id for c in cs], [c.sampling for c in cs],
+                                                 [c.num_output_tokens for c in cs])
+                    sampled = {c.request_id: t for c, t in zip(cs, tokens)}
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_s=time.perf_counter() - t0)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> _Step:
+        bs = self.block_size
+        # NOTE: one-token chunks first, shortest context first, so each decode group is a slice of rows.
+        decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for c in decodes + prefills:
+            n = len(c.token_ids)
+            if c.start_pos + n > len(c.block_ids) * bs:
+                raise ValueError(f"{c.request_id}: positions up to {c.start_pos + n} exceed its "
+                                 f"{len(c.block_ids)} blocks of {bs} tokens")
+            ids.extend(c.token_ids)
+            for pos in range(c.start_pos, c.start_pos + n):
+                positions.append(pos)
+                slots.append(c.block_ids[pos // bs] * bs + pos % bs)
+            if c.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_chunks.append(c)
+        pos_t = torch.tensor(positions)
+        cos, sin = self.rotary(self.k_cache, pos_t[None])
+        groups: list[_DecodeGroup] = []
+        lengths = [c.start_pos + 1 for c in decodes]
+        tables = lens = None
+        if self.paged_decode is not None:
+            if decodes:
+                nb = -(-lengths[-1] // bs)  # the longest context's blocks
+                tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes])
+                lens = torch.tensor(lengths)
+        else:
+            for a, b in decode_groups(lengths):
+                nb = -(-lengths[b - 1] // bs)  # the group's longest context
+                table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
+                mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths[a:b])[:, None])[:, None, None, :]
+                groups.append(_DecodeGroup(a, b, torch.tensor(table).view(-1), mask))
+        plans: list[_Prefill] = []
+        row = len(decodes)
+        for c in prefills:
+            n = len(c.token_ids)
+            ctx = c.start_pos + n
+            if c.start_pos == 0:
+                plans.append(_Prefill(row, row + n, ctx, None, None))
+            else:
+                blocks = torch.tensor(c.block_ids[: -(-ctx // bs)])
+                q_pos = torch.arange(c.start_pos, ctx)
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+                plans.append(_Prefill(row, row + n, ctx, blocks, mask))
+            row += n
+        return _Step(
+            input_ids=torch.tensor(ids), slots=torch.tensor(slots),
+            cos=cos[0][:, None, :].to(self.dtype), sin=sin[0][:, None, :].to(self.dtype),
+            num_decode=len(decodes), decode=groups, decode_tables=tables, decode_lens=lens,
+            prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
+        )
+
+    def _forward(self, step: _Step) -> torch.Tensor:
+        """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""
+        T = step.input_ids.shape[0]
+        h = self.embed(step.input_ids)  # [T, hidden]
+        last = len(self.layers) - 1
+        pk = self.packed.get
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = linear(attn.q_proj, x, pk(attn.q_proj)).view(T, self.num_heads, self.head_dim)
+            k = linear(attn.k_proj, x, pk(attn.k_proj)).view(T, self.num_kv_heads, self.head_dim)
+            v = linear(attn.v_proj, x, pk(attn.v_proj)).view(T, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:  # Qwen3-style per-head norms before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = _rope(q, step.cos, step.sin)
+            k = _rope(k, step.cos, step.sin)
+            kc = self.k_cache[i]
+            vc = self.v_cache[i]
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            kc.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
+            vc.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
+            o = self._attention(q, k, v, kc, vc, step)
+            if i == last:
+                # NOTE: only the sampled rows feed the logits; skip the rest of the last layer for them.
+                if step.sample_rows.numel() == 0:  # same decision on every TP rank
+                    return h.new_empty(0, self.vocab_size)
+                o = o.index_select(0, step.sample_rows)
+                h = h.index_select(0, step.sample_rows)
+            h = h + linear(attn.o_proj, o, pk(attn.o_proj))
+            x = layer.post_attention_layernorm(h)
+            if self.plain_mlp:
+                mlp = layer.mlp
+                gate = linear(mlp.gate_proj, x, pk(mlp.gate_proj))
+                up = linear(mlp.up_proj, x, pk(mlp.up_proj))
+                h = h + linear(mlp.down_proj, mlp.act_fn(gate) * up, pk(mlp.down_proj))
+            else:
+                h = h + layer.mlp(x)
+        h = self.norm(h)
+        if self.plain_lm_head:
+            return linear(self.lm_head, h, self.packed.get(self.lm_head))
+        # NOTE: [1, S, hidden]: DeepSpeed's sharded LM head slices its input as a 3-D tensor.
+        return self.lm_head(h[None])[0]
+
+    def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""
+        T = q.shape[0]
+        kvh, hd, rep = self.num_kv_heads, self.head_dim, self.num_rep
+        out = q.new_empty(T, self.num_heads, hd)
+        if step.decode_tables is not None:
+            nd = step.num_decode
+            out[:nd] = self.paged_decode(q[:nd].contiguous(), kc, vc, step.decode_tables, step.decode_lens, self.scale)
+        for g in step.decode:
+            # Grouped heads as the query axis: q [n, KVH, rep, D] against K [n, KVH, L, D], one SDPA.
+            n = g.end - g.start
+            kk, vv = self._gather(kc, vc, g.blocks)
+            kk = kk.view(n, -1, kvh, hd).transpose(1, 2)
+            vv = vv.view(n, -1, kvh, hd).transpose(1, 2)
+            qd = q[g.start:g.end].view(n, kvh, rep, hd).to(self.kv_dtype)
+            od = F.scaled_dot_product_attention(qd, kk, vv, attn_mask=g.mask, scale=self.scale)
+            out[g.start:g.end] = od.reshape(n, self.num_heads, hd)  # NOTE: back to the model's dtype
+        for p in step.prefills:
+            qs = q[p.start:p.end].transpose(0, 1)[None]
+            if p.block_ids is None:
+                ks = k[p.start:p.end].transpose(0, 1)[None]
+                vs = v[p.start:p.end].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                ks, vs = self._gather(kc, vc, p.block_ids)
+                ks = ks.view(-1, kvh, hd)[: p.ctx_tokens].transpose(0, 1)[None]
+                vs = vs.view(-1, kvh, hd)[: p.ctx_tokens].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs.to(self.kv_dtype), ks, vs, attn_mask=p.mask, scale=self.scale,
+                                                   enable_gqa=True)
+            out[p.start:p.end] = o[0].transpose(0, 1)
+        return out.view(T, self.num_heads * hd)
+
+    def _gather(self, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies the named blocks of one layer into the reused buffers: ``[len(blocks), block, KVH, D]``."""
+        shape = (blocks.shape[0], *kc.shape[1:])
+        numel = shape[0] * kc[0].numel()
+        if self._kbuf.numel() < numel:
+            self._kbuf = torch.empty(numel, dtype=self.kv_dtype, device=self.device)
+            self._vbuf = torch.empty(numel, dtype=self.kv_dtype, device=self.device)
+        kout = self._kbuf[:numel].view(shape)
+        vout = self._vbuf[:numel].view(shape)
+        torch.index_select(kc, 0, blocks, out=kout)
+        torch.index_select(vc, 0, blocks, out=vout)
+        return kout, vout
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process; kept for the Runner contract."""

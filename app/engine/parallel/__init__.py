@@ -1,0 +1,1 @@
+"""Tensor parallelism: DeepSpeed TP ranks and the Ray actors that host them."""

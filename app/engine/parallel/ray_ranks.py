@@ -1,0 +1,103 @@
+"""RayTPRunner: a replica's tensor-parallel ranks as Ray actors (DeepSpeed AutoTP inside each).
+
+Inside Ray (a Serve replica, a Ray Data actor) the ranks are Ray actors, so Ray places and
+accounts for them: each goes into its own bundle of the replica's placement group (Serve's
+``placement_group_bundles``: bundle 0 for the replica, one per rank after it; on GPUs give each
+rank bundle ``GPU: 1`` and Ray sets the rank's CUDA_VISIBLE_DEVICES). Without a placement group
+the ranks take no Ray resources. Every step, the driver puts the ``SchedulerOutput`` in the
+object store once and every rank runs its shard; rank 0 samples. Same contract as ``TPRunner``
+(the process-based group used outside Ray) and the same rank code (``tp.build_rank_runner``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from app.config import EngineConfig
+from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
+from app.runtime_env import PROCESS_ENV, env_vars
+from app.engine.parallel.tp import STARTUP_TIMEOUT_S, TPGroupError, _free_port, build_rank_runner, rank_env, setup_driver
+
+
+class RankWorker:
+    """One TP rank (wrapped with ``ray.remote`` by the driver)."""
+
+    def __init__(self, rank: int, world: int, config: EngineConfig, num_blocks: int, master_port: int) -> None:
+        self.rank = rank
+        self.runner = build_rank_runner(rank, world, config, num_blocks, master_port)
+
+    def info(self) -> dict:
+        return {"num_heads": self.runner.num_heads, "num_kv_heads": self.runner.num_kv_heads, "pid": os.getpid()}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[int] | None:
+        out = self.runner.execute(scheduler_output, sample=self.rank == 0)
+        return out.sampled_token_ids if self.rank == 0 else None
+
+
+class RayTPRunner(Runner):
+    """``RayTPRunner(config, num_blocks)``, ``execute``, ``shutdown`` (call from inside Ray)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world, threads = setup_driver(self, config, num_blocks)
+        pg = ray.util.get_current_placement_group()
+        first = 0
+        if pg is not None:
+            first = len(pg.bundle_specs) - world  # the replica's own bundle (if any) comes first
+            if first < 0:
+                raise ValueError(f"the placement group has {len(pg.bundle_specs)} bundles; tensor_parallel_size {world} needs one per rank")
+        master_addr, port = ray.util.get_node_ip_address(), _free_port()
+        base_env = env_vars(PROCESS_ENV)  # NOTE: an actor's runtime_env replaces its parent's env_vars
+        worker = ray.remote(RankWorker)
+        self._actors = []
+        for rank in range(world):
+            options: dict = {"runtime_env": {"env_vars": {**base_env, **rank_env(rank, world, master_addr, port, threads)}},
+                             "max_restarts": 0}
+            if pg is not None:
+                bundle = pg.bundle_specs[first + rank]
+                options.update(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank))
+            else:
+                options.update(num_cpus=0)
+            self._actors.append(worker.options(**options).remote(rank, world, self.config, num_blocks, port))
+        try:
+            self.rank_info = self._gather([a.info.remote() for a in self._actors], STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            self.broken = True
+            self.shutdown()
+            raise TPGroupError(f"tensor-parallel group failed: {exc}") from exc
+        # A rank's own exception (e.g. a bad chunk) comes back as itself: the group stays usable.
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        import ray
+
+        t0 = time.perf_counter()
+        if self.broken:
+            raise TPGroupError("the tensor-parallel group was shut down after an earlier failure")
+        ref = ray.put(scheduler_output)
+        replies = self._gather([a.execute.remote(ref) for a in self._actors])
+        return ModelRunnerOutput(sampled_token_ids=replies[0], step_s=time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        """Kill the rank actors (idempotent)."""
+        import ray
+
+        for actor in getattr(self, "_actors", []):
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._actors = []

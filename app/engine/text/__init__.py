@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer and the incremental detokenizer."""

@@ -1,0 +1,26 @@
+"""The environment a foreserve process hands on to the processes it starts (Serve replicas, batch
+jobs, tensor-parallel rank actors): named once here, read only where a process is started."""
+
+from __future__ import annotations
+
+import os
+
+# Every child: the same data dir and registry, an offline hub, quiet tokenizers, no telemetry.
+PROCESS_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
+               "MLFLOW_TRACKING_URI")
+# Serve replicas also get the API keys and the step trace switch.
+SERVE_ENV = PROCESS_ENV + ("FORESERVE_API_KEYS", "FORESERVE_STEP_TRACE")
+# A batch job's driver joins the cluster itself, so it needs the cluster's auth settings.
+JOB_ENV = PROCESS_ENV + ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def process_defaults() -> None:
+    """Offline hub, quiet tokenizers, no MLflow telemetry: set once, where a command starts."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline machine
+
+
+def env_vars(names: tuple[str, ...]) -> dict[str, str]:
+    """Those of ``names`` that are set in this process, for a runtime_env's ``env_vars``."""
+    return {k: os.environ[k] for k in names if k in os.environ}

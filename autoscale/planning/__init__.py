@@ -1,0 +1,1 @@
+"""Capacity planning in modelled time: one replica on the simulator, the planner, a simulated day, calibration, scheduler A/B."""

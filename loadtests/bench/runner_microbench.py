@@ -1,0 +1,134 @@
+"""Decode-step micro-benchmark of HFRunner (and, with --hf, of plain HF generate-style decoding).
+
+    python -m loadtests.bench.runner_microbench --batch 1 4 16 32 --context-tokens 256
+
+Each batch decodes one token per sequence at ``--context-tokens`` cached positions (the KV is
+filled with random values: the step time does not depend on what the cache holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from app.config import EngineConfig  # noqa: E402
+from app.engine.kv.pool import KVPool  # noqa: E402
+from app.engine.request import SamplingParams, ScheduledChunk, SchedulerOutput  # noqa: E402
+
+
+def bench_runner(runner, batch: int, context: int, steps: int, warmup: int,
+                 sampling: SamplingParams = SamplingParams(temperature=0.0)) -> float:
+    pool = KVPool(runner.num_blocks, runner.block_size)
+    tables = [pool.allocate(pool.blocks_for(context + warmup + steps + 1)) for _ in range(batch)]
+    times = []
+    for s in range(warmup + steps):
+        chunks = [ScheduledChunk(f"r{i}", [100 + i], context + s, tables[i], True, sampling, s) for i in range(batch)]
+        out = runner.execute(SchedulerOutput(chunks))
+        if s >= warmup:
+            times.append(out.step_s)
+    for t in tables:
+        pool.free(t)
+    return statistics.median(times) * 1000
+
+
+def bench_prefill(runner, tokens: int, start_pos: int, steps: int) -> float:
+    """One chunk of ``tokens`` prompt tokens at ``start_pos`` (0: a fresh prompt; else a continuation)."""
+    pool = KVPool(runner.num_blocks, runner.block_size)
+    table = pool.allocate(pool.blocks_for(start_pos + tokens))
+    greedy = SamplingParams(temperature=0.0)
+    times = []
+    for s in range(steps + 1):
+        chunk = ScheduledChunk(f"p{s}", list(range(100, 100 + tokens)), start_pos, table, True, greedy, 0)
+        out = runner.execute(SchedulerOutput([chunk]))
+        if s:
+            times.append(out.step_s)
+    pool.free(table)
+    return statistics.median(times) * 1000
+
+
+def bench_hf(model, batch: int, context: int, steps: int, warmup: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, 1000, (batch, context))
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for s in range(warmup + steps):
+            t0 = time.perf_counter()
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            if s >= warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32], help="decode batch sizes")
+    ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens per sequence")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per batch size (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (TPRunner when > 1)")
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prefill chunk of this many tokens")
+    ap.add_argument("--hf", action="store_true", help="also time plain HF decoding with DynamicCache")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="KV cache dtype (auto: the weights' float32)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample decode rows at this temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top-p of sampled rows")
+    ap.add_argument("--gather-attention", action="store_true",
+                    help="decode attention by gather + SDPA instead of the paged C++ kernel (cpu_paged_attention off)")
+    args = ap.parse_args(argv)
+
+    from app.engine.model.hf_runner import HFRunner
+
+    need = max(args.batch) * -(-(args.context_tokens + args.warmup + args.steps + 1) // args.block_size)
+    need = max(need, -(-2 * args.prefill_tokens // args.block_size))
+    config = EngineConfig(kv_cache_tokens=need * args.block_size, block_size_tokens=args.block_size,
+                          torch_threads=args.threads, tensor_parallel_size=args.tp,
+                          cpu_paged_attention=not args.gather_attention, kv_cache_dtype=args.kv_cache_dtype)
+    if args.tp > 1:
+        from app.engine.parallel.tp import TPRunner
+
+        runner = TPRunner(config, need)
+    else:
+        runner = HFRunner(config, need)
+        if hasattr(runner, "k_cache"):
+            runner.k_cache.normal_()
+            runner.v_cache.normal_()
+    if args.hf and args.tp == 1:  # transformers' own model and cache (the runner runs foreserve's modules)
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
+    try:
+        threads = runner.config.torch_threads if args.tp > 1 else torch.get_num_threads()
+        print(f"threads per rank={threads} context_tokens={args.context_tokens} tp={args.tp} "
+              f"temperature={args.temperature} top_p={args.top_p}")
+        for b in args.batch:
+            sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
+            ms = bench_runner(runner, b, args.context_tokens, args.steps, args.warmup, sampling)
+            line = f"batch {b:3d}: runner {ms:8.1f} ms/step  ({b / ms * 1000:7.1f} tok/s)"
+            if args.hf and args.tp == 1:
+                hf_ms = bench_hf(hf_model, b, args.context_tokens, args.steps, args.warmup)
+                line += f" | HF {hf_ms:8.1f} ms/step"
+            print(line, flush=True)
+        if args.prefill_tokens:
+            n = args.prefill_tokens
+            for start in (0, n):
+                ms = bench_prefill(runner, n, start, max(2, args.steps // 3))
+                print(f"prefill {n} tokens at position {start}: {ms:8.1f} ms  ({n / ms * 1000:7.1f} tok/s)", flush=True)
+    finally:
+        runner.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training the length predictor: dataset, training loop, pipeline, metrics, retraining, feedback collection."""

@@ -1,0 +1,161 @@
+"""S3's fault handling, closed: the engine's real lengths retrain the predictor.
+
+A trigger fires every ``every_records`` new feedback records, or as soon as the recent
+misprediction rate passes a threshold. Retraining continues from the champion on the feedback
+(plus a sample of the original ShareGPT data, so it does not forget), is gated on a held-out slice
+of the feedback (the serving model's own lengths) and promoted if it wins. ``submit_retrain`` runs
+it as a Ray task, which the serving app calls on a timer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from predictor.buckets import LengthBuckets
+from predictor.training.dataset import Example, feedback_examples, is_censored, trace_examples
+from predictor.feedback import FeedbackRecord, feedback_dir, scan_feedback
+
+logger = logging.getLogger(__name__)
+STATE_FILE = "retrain_state.json"
+
+
+class RetrainPolicy(BaseModel):
+    """When and how to retrain from feedback (``serve_config.yaml: predictor.training.retrain``)."""
+
+    every_records: int = Field(500, ge=1, description="Retrain after this many new usable feedback records.")
+    mispredict_rate: float = Field(0.5, gt=0, le=1, description="...or when this share of the recent window was mispredicted (bound too small, or off by more than one bucket).")
+    window_records: int = Field(200, ge=1, description="Size of the recent window for the misprediction rate.")
+    min_records: int = Field(50, ge=1, description="Never retrain on fewer new records than this.")
+    holdout_frac: float = Field(0.2, gt=0, lt=1, description="Share of feedback prompts held out to gate the candidate.")
+    original_examples: int = Field(300, ge=0, description="ShareGPT train examples mixed in so the model keeps what it knew (more pulls it back toward ShareGPT's lengths: 2,000 did worse on the model's own, README).")
+    epochs: int = Field(4, ge=1, description="Epochs over feedback + original examples.")
+    lr: float = Field(3e-5, gt=0, description="Encoder learning rate when continuing from the champion.")
+    gate: bool = Field(True, description="Promote only a candidate that beats the champion on the held-out feedback; false promotes every retrained version (demos, tests).")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by the retraining task.")
+    retry_after_s: float = Field(600.0, ge=0, description="After a retrain that failed or was declined (too little usable feedback), wait this long before the next.")
+
+
+def is_holdout(text: str, frac: float) -> bool:
+    """Deterministic by prompt text, so one prompt never lands on both sides."""
+    return int(hashlib.sha1(text.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF < frac
+
+
+def mispredicted(record: FeedbackRecord, buckets: LengthBuckets) -> bool:
+    """The bound overflowed, or the length landed more than one bucket off the prediction. An answer
+    cut by its own max_tokens was at least that long, so it can only show a prediction too short."""
+    if record.predicted_bound_tokens is not None and record.output_tokens > record.predicted_bound_tokens:
+        return True
+    if record.predicted_bucket is None:
+        return False
+    gap = buckets.bucket_of(min(record.output_tokens, buckets.max_tokens)) - record.predicted_bucket
+    return gap > 1 if is_censored(record, buckets.max_tokens) else abs(gap) > 1
+
+
+def _state_path(root: Path) -> Path:
+    return root / STATE_FILE
+
+
+def last_retrain_s(root: Path | None = None) -> float:
+    path = _state_path(root or feedback_dir())
+    try:
+        return float(json.loads(path.read_text())["last_retrain_s"])
+    except (OSError, ValueError, KeyError):
+        return 0.0
+
+
+def mark_retrained(root: Path | None = None, when_s: float | None = None) -> None:
+    root = root or feedback_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = _state_path(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"last_retrain_s": when_s if when_s is not None else time.time()}))
+    tmp.replace(_state_path(root))
+
+
+def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets: LengthBuckets) -> str | None:
+    """Why to retrain on these new records now, or None. Only labels (``feedback_examples``) count
+    toward ``min_records`` and ``every_records``; the misprediction window also takes answers cut by
+    their own short max_tokens, which can show a prediction too short."""
+    usable = [r for r in records if r.finish_reason in ("stop", "length") and not r.ignore_eos]
+    labels = len(feedback_examples(usable, buckets.max_tokens))
+    if labels < policy.min_records:
+        return None
+    if labels >= policy.every_records:
+        return f"{labels} new labelled feedback records (every {policy.every_records})"
+    window = sorted(usable, key=lambda r: r.timestamp_s)[-policy.window_records :]  # across all writers' files
+    rate = sum(mispredicted(r, buckets) for r in window) / len(window)
+    if rate > policy.mispredict_rate:
+        return f"misprediction rate {rate:.2f} over the last {len(window)} records > {policy.mispredict_rate}"
+    return None
+
+
+def records_since_last_retrain(records: list[FeedbackRecord], root: Path | None = None) -> list[FeedbackRecord]:
+    since_s = last_retrain_s(root)
+    return [r for r in records if r.timestamp_s > since_s]
+
+
+def retrain_due(policy: RetrainPolicy, spec, root: Path | None = None) -> str | None:
+    """Why the feedback written since the last retraining calls for another one now, or None."""
+    root = root or feedback_dir()
+    return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], root), policy, spec.buckets)
+
+
+def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tokens: int) -> tuple[list[Example], list[Example]]:
+    examples = feedback_examples(records, max_tokens)
+    train = [e for e in examples if not is_holdout(e.text, policy.holdout_frac)]
+    holdout = [e for e in examples if is_holdout(e.text, policy.holdout_frac)]
+    return train, holdout
+
+
+def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
+                          promote: bool = True) -> dict:
+    """Check the trigger (unless ``force``), then retrain, register (``source=feedback``), gate
+    and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when nothing to do."""
+    from predictor import registry
+    from predictor.training import pipeline
+    from predictor.model import META, LengthModel, ModelSpec
+    from predictor.training.train import TrainConfig
+
+    policy = policy or RetrainPolicy()
+    root = root or feedback_dir()
+    started_s = time.time()  # NOTE: before the scan: a record written during it counts next time
+    records, skipped = scan_feedback(root)
+    new = records if force else records_since_last_retrain(records, root)
+    directory, version = registry.download_version()  # cached: no weights loaded unless we retrain
+    spec = ModelSpec.model_validate_json((directory / META).read_text())
+    reason = "forced" if force else trigger_reason(new, policy, spec.buckets)
+    if reason is None:
+        return {"retrained": False, "reason": f"trigger not met ({len(new)} new records)", "skipped_lines": skipped}
+    train, holdout = split_feedback(records, policy, spec.max_tokens)
+    if not train or len(holdout) < 5:
+        return {"retrained": False, "reason": f"too little usable feedback ({len(train)} train, {len(holdout)} held out)"}
+    original = trace_examples("train") if policy.original_examples else []
+    random.Random(0).shuffle(original)
+    mix = train + original[: policy.original_examples]
+    config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
+    summary = pipeline.train_and_register(
+        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote and policy.gate,
+        init=LengthModel.load(directory),
+        extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": version, "trigger": reason},
+    )
+    if promote and not policy.gate:
+        registry.set_champion(summary["version"])
+        summary.update(promoted=True, gate="skipped (retrain.gate is false)")
+    mark_retrained(root, started_s)
+    logger.info("retrained predictor: %s", summary)
+    return {"retrained": True, "reason": reason, "parent_version": version, **summary}
+
+
+def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False):
+    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef."""
+    import ray
+
+    policy = policy or RetrainPolicy()
+    task = ray.remote(num_cpus=policy.num_cpus, max_retries=0)(retrain_from_feedback)
+    return task.remote(policy, root, force)

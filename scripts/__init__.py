@@ -1,0 +1,1 @@
+"""Research probes, not packaged: run from the repository root as ``python -m scripts.<name>``."""
