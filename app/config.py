@@ -13,7 +13,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app import paths
-from predictor.training.retrain import RetrainPolicy
+from predictor.config import RetrainPolicy
+
+
+# The schedulers' registry keys (app/engine/scheduler/__init__.py checks that its registry matches):
+# named here so that validating a config does not import the schedulers, which import the config.
+SCHEDULER_NAMES = ("fcfs", "offline", "online")
 
 
 class EngineConfig(BaseModel):
@@ -49,16 +54,16 @@ class EngineConfig(BaseModel):
     tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: torch's (OMP_NUM_THREADS: a Ray actor's CPUs, else the cores; TP ranks: cores / TP).")
     seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
+    step_trace_dir: str | None = Field(None, description="Write one JSONL line per engine step into this folder (the CLI and the deployments fill it from FORESERVE_STEP_TRACE).")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         from app.engine.kv.allocation import POLICIES
-        from app.engine.scheduler import SCHEDULERS
 
         if self.allocation not in POLICIES:
             raise ValueError(f"unknown allocation policy {self.allocation!r}; choose one of {sorted(POLICIES)}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {sorted(SCHEDULERS)}")
+        if self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {sorted(SCHEDULER_NAMES)}")
         if self.kv_cache_tokens is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_tokens or kv_cache_bytes")
         if self.default_max_tokens >= self.max_model_len_tokens:
@@ -117,10 +122,9 @@ class EngineConfig(BaseModel):
         not send."""
         per_token = 1
         if self.kv_cache_bytes is not None:
-            from app.engine.model.llama import model_config
-            from app.engine.model.hf_runner import HFRunner
+            from app.engine.model.llama import kv_bytes_per_token, model_config
 
-            per_token = HFRunner.kv_bytes_per_token(model_config(self.model_path), self.cache_dtype)
+            per_token = kv_bytes_per_token(model_config(self.model_path), self.cache_dtype)
         return min(self.max_model_len_tokens, self.kv_pool_blocks(per_token) * self.block_size_tokens)
 
 

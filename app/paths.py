@@ -1,9 +1,14 @@
-"""Where foreserve keeps its data: the converted model, traces, MLflow store, feedback, reports."""
+"""Where foreserve keeps its data: the converted model, traces, MLflow store, feedback, reports.
+
+The edge's helpers: entry points (the CLI, the deployments, a batch job) read these and hand the
+values down as arguments and config fields (docs/layers.md). Nothing calls them at import time."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from predictor.store import Store
 
 
 def home() -> Path:
@@ -21,3 +26,13 @@ def traces_dir() -> Path:
 
 def reports_dir() -> Path:
     return home() / "reports"
+
+
+def feedback_dir() -> Path:
+    """The feedback store: one record per finished request (the engines write, retraining reads)."""
+    return home() / "feedback"
+
+
+def predictor_store() -> Store:
+    """The length predictor's MLflow store: ``$MLFLOW_TRACKING_URI``, else sqlite under the data dir."""
+    return Store(home(), os.environ.get("MLFLOW_TRACKING_URI") or None)

@@ -1,8 +1,10 @@
 """The environment a foreserve process hands on to the processes it starts (Serve replicas, batch
-jobs, tensor-parallel rank actors): named once here, read only where a process is started."""
+jobs, tensor-parallel rank actors): named once here, read only where a process is started; and the
+defaults every foreserve process sets once, where it starts (``process_defaults``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Every child: the same data dir and registry, an offline hub, quiet tokenizers, no telemetry.
@@ -15,10 +17,22 @@ JOB_ENV = PROCESS_ENV + ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 
 def process_defaults() -> None:
-    """Offline hub, quiet tokenizers, no MLflow telemetry: set once, where a command starts."""
+    """Offline hub, quiet tokenizers, no MLflow telemetry or progress bars, quiet MLflow loggers: set
+    once, where a process starts (the CLI, a Serve replica, a batch job, a retraining task), before
+    Hugging Face's or MLflow's libraries are imported (they read these then). Nothing sets them at
+    import; a value already in the environment wins. Calling it again changes nothing."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline machine
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("mlflow.pyfunc").addFilter(_no_cloudpickle_notes)  # NOTE: added once (same object)
+
+
+def _no_cloudpickle_notes(record: logging.LogRecord) -> bool:
+    """MLflow's note that a pyfunc model is pickled with CloudPickle: every registered version logs it."""
+    return "CloudPickle" not in record.getMessage()
 
 
 def env_vars(names: tuple[str, ...]) -> dict[str, str]:

@@ -11,17 +11,20 @@ KV-aware router and the autoscaling policies need, and refreshes the pool's Prom
 from __future__ import annotations
 
 import collections
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from app import paths
 from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.engine import FINISH_REASONS, LLMEngine, RequestRejected
-from app.engine.request import SamplingParams
+from app.engine.engine import LLMEngine, RequestRejected
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.runtime_env import process_defaults
 from predictor.buckets import LengthBuckets
 
 LATENCY_WINDOW_S = 30.0  # recent_ttft_ms_p90 / recent_tpot_ms_p90 cover requests finished this recently
@@ -30,16 +33,15 @@ LATENCY_WINDOW_S = 30.0  # recent_ttft_ms_p90 / recent_tpot_ms_p90 cover request
 class GenerateRequest(BaseModel):
     """What the ingress hands a pool (already validated against the OpenAI schema)."""
 
+    model_config = ConfigDict(extra="forbid")  # NOTE: a stale caller's field fails here, not silently
+
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     messages: list[dict] = Field(default_factory=list, description="Chat messages for the model's chat template.")
     prompt_token_ids: list[int] | None = Field(None, description="The rendered prompt's tokens (the ingress counted them); else messages are rendered here.")
     num_prompt_tokens: int | None = Field(None, description="len(prompt_token_ids): what the KV-aware router reads.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    prediction: tuple[int, list[float] | None, int] | None = Field(None, description="(bucket, probabilities, bound_tokens): the predictor's bucket and distribution and the bound this pool reserves (its bound_quantile); None reserves for max_tokens.")
-    predictor_bound_tokens: int | None = Field(None, description="The predictor's own bound (its version's quantile), which the feedback record keeps; None: the reserved bound.")
-    rank_tokens: float | None = Field(None, description="The predictor's length estimate the online scheduler orders by; None orders by the bound.")
+    prediction: Prediction | None = Field(None, description="What the predictor said, with the bound this pool reserves (its bound_quantile); None: the engine's own predictor (max_tokens without one).")
     predictor_text: str | None = Field(None, description="The text the predictor read (kept in the feedback record).")
-    predictor_version: str | None = None
     resume_output_token_ids: list[int] = Field(default_factory=list, description="An answer resumed from a lost replica: the tokens it already generated (recomputed, not sent again).")
     resume_emitted_chars: int = Field(0, ge=0, description="Characters of that answer the client already received.")
 
@@ -51,12 +53,11 @@ class PredictionWindow:
         self.buckets = buckets
         self.hits: collections.deque[tuple[bool, bool]] = collections.deque(maxlen=size)
 
-    def add(self, prediction: tuple | None, output_tokens: int, finish_reason: str | None) -> None:
+    def add(self, prediction: Prediction | None, output_tokens: int, finish_reason: str | None) -> None:
         if prediction is None or finish_reason != "stop":  # a cut-off answer's true length is unknown
             return
-        bucket, _, bound_tokens = prediction
         actual = self.buckets.bucket_of(min(output_tokens, self.buckets.max_tokens))
-        self.hits.append((abs(actual - bucket) <= 1, output_tokens <= bound_tokens))
+        self.hits.append((abs(actual - prediction.bucket) <= 1, output_tokens <= prediction.bound_tokens))
 
     def rates(self) -> tuple[float, float] | None:
         """(within-1-bucket accuracy, share whose bound held), or None before any finished request."""
@@ -72,9 +73,14 @@ class EngineServer:
     def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None) -> None:
         from predictor.feedback import FeedbackWriter
 
+        process_defaults()  # NOTE: a replica started by `serve run` has none of the CLI's settings
+
         self.pool = pool
-        self.config = load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine)
-        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
+        config = load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine)
+        if os.environ.get("FORESERVE_STEP_TRACE"):  # NOTE: forwarded by `foreserve serve` (app/runtime_env.py)
+            config = config.model_copy(update={"step_trace_dir": os.environ["FORESERVE_STEP_TRACE"]})
+        self.config = config
+        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter(paths.feedback_dir()))
         self.aengine = AsyncLLMEngine(self.engine)
         self.window = PredictionWindow(self.engine.buckets)
         # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
@@ -90,27 +96,24 @@ class EngineServer:
     async def generate(self, request: dict | GenerateRequest) -> AsyncIterator[dict]:
         req = GenerateRequest.model_validate(request)
         prompt = None if req.prompt_token_ids else self.render(req.messages)
-        stream = self.aengine.generate(
+        stream = self.aengine.generate(EngineRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             prompt=prompt,
             sampling=req.sampling,
             tier=self.pool,
             prediction=req.prediction,
-            rank_tokens=req.rank_tokens,
             predictor_text=req.predictor_text,
-            predictor_version=req.predictor_version,
-            predictor_bound_tokens=req.predictor_bound_tokens,
-            output_token_ids=req.resume_output_token_ids or None,
-            emitted_chars=req.resume_emitted_chars,
-        )
+            resume_output_token_ids=req.resume_output_token_ids,
+            resume_emitted_chars=req.resume_emitted_chars,
+        ))
         emitted = self._emit_log(req.request_id)
         try:
             async for out in stream:
                 emitted.append(time.time())
                 if len(emitted) == 2 and not req.resume_output_token_ids:  # the first token: TTFT counts now
                     self.ttfts.append((emitted[1], emitted[1] - emitted[0]))
-                finish_reason = FINISH_REASONS.get(out.finish_reason or "", out.finish_reason)
+                finish_reason = out.finish_reason
                 if out.finished:
                     self.window.add(req.prediction, out.num_output_tokens, finish_reason)
                     self._record_latency(emitted)

@@ -33,7 +33,8 @@ from app.api.prompt import chat_prompt
 from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.config import AppConfig
-from app.engine.request import SamplingParams
+from app.engine.request import Prediction, SamplingParams
+from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.http_errors import install_error_handlers
@@ -71,6 +72,7 @@ class Ingress:
         from app.engine.text.tokenizer import load_tokenizer
         from deployments.metrics import RequestMetrics
 
+        process_defaults()  # NOTE: a replica is a process of its own (offline hub before the tokenizer loads)
         self.config = AppConfig.model_validate(config)
         self.pools = {"online": online, "offline": offline}
         self.predictor = predictor
@@ -271,18 +273,18 @@ class Ingress:
             num_prompt_tokens=len(ids),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     seed=body.seed, stop=body.stop_list, ignore_eos=body.ignore_eos),
-            prediction=None if pred is None else (pred["bucket"], pred["probabilities"], bound),
-            predictor_bound_tokens=None if pred is None else min(pred["bound_tokens"], max_tokens),
-            rank_tokens=None if pred is None else pred.get("rank_tokens"),
+            prediction=None if pred is None else Prediction(
+                bucket=pred["bucket"], probabilities=pred["probabilities"], bound_tokens=bound,
+                rank_tokens=pred.get("rank_tokens"), version=str(pred["version"]),
+                predictor_bound_tokens=min(pred["bound_tokens"], max_tokens)),
             predictor_text=text,
-            predictor_version="max-fallback" if pred is None else pred["version"],
         )
         stream, first = await self._start(request, body.pool)
         result = ChatResult(request.request_id, self.model_id, tier, t0, first)
         headers = {
             "x-foreserve-request-id": request.request_id,
             "x-foreserve-pool": body.pool,
-            "x-foreserve-predictor-version": str(request.predictor_version),
+            "x-foreserve-predictor-version": "max-fallback" if pred is None else str(pred["version"]),
             "x-foreserve-predicted-tokens": str(max_tokens if bound is None else bound),
         }
         if body.stream:

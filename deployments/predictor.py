@@ -9,6 +9,9 @@ service comes up and keeps serving; callers still time out and fall back on thei
 The same poll runs the retraining trigger (``RetrainTrigger``): when the feedback written by the
 engine replicas meets the policy, one Ray task retrains, gates and promotes; the next poll serves
 the new champion.
+
+The registry's store and the feedback folder are the data dir's (``app.paths``), read here, where
+the replica starts, and handed down.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 
 from ray import serve
 
+from app import paths
 from app.config import PredictorConfig
+from app.runtime_env import process_defaults
+from predictor.store import Store
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,8 +35,10 @@ logger = logging.getLogger("ray.serve")
 class LengthPredictorServer:
     """Plain class (testable without Ray); ``PredictorDeployment`` below wraps it for Serve."""
 
-    def __init__(self, config: PredictorConfig | dict | None = None, trigger: "RetrainTrigger | None" = None) -> None:
+    def __init__(self, config: PredictorConfig | dict | None = None, trigger: "RetrainTrigger | None" = None,
+                 store: Store | None = None) -> None:
         self.config = PredictorConfig.model_validate(config or {})
+        self.store = store or paths.predictor_store()
         self._predictor = self._load()
         self.swaps = 0
         self.poll_errors = 0
@@ -43,7 +52,7 @@ class LengthPredictorServer:
     def _load(self):
         from predictor.loading import load_predictor_or_max
 
-        predictor = load_predictor_or_max(self.config.source)
+        predictor = load_predictor_or_max(self.config.source, store=self.store)
         if self.config.bound_quantile is not None and hasattr(predictor, "bound_quantile"):
             predictor.bound_quantile = self.config.bound_quantile
         predictor.predict(["warm-up"])  # NOTE: the first call is slow (lazy init); not a user's request
@@ -59,7 +68,7 @@ class LengthPredictorServer:
         from predictor import registry
 
         try:
-            champion = registry.champion_version()
+            champion = registry.champion_version(registry.configure(self.store))
         except Exception as exc:  # noqa: BLE001 - a registry hiccup must not stop serving
             logger.warning("registry poll failed: %s", exc)
             return False
@@ -108,8 +117,10 @@ class LengthPredictorServer:
 class RetrainTrigger:
     """Submits one retraining Ray task at a time when new feedback meets the policy."""
 
-    def __init__(self, config: PredictorConfig) -> None:
+    def __init__(self, config: PredictorConfig, store: Store | None = None, feedback_dir: Path | None = None) -> None:
         self.policy = config.retrain
+        self.store = store or paths.predictor_store()
+        self.feedback_dir = feedback_dir or paths.feedback_dir()
         self.running = None  # ObjectRef of the retraining task in flight
         self.last_summary: dict | None = None
         self.submitted = 0
@@ -138,10 +149,10 @@ class RetrainTrigger:
         spec = getattr(predictor, "spec", None)
         if spec is None:
             return  # no learned champion to continue from
-        reason = retrain_due(self.policy, spec)
+        reason = retrain_due(self.policy, spec, self.feedback_dir)
         if reason is not None:
             logger.info("retraining the predictor: %s", reason)
-            self.running = submit_retrain(self.policy)
+            self.running = submit_retrain(self.policy, self.feedback_dir, store=self.store)
             self.submitted += 1
 
     def info(self) -> dict:
@@ -155,12 +166,14 @@ class PredictorDeployment:
     expected_tokens, score, rank_tokens, version). ``reconfigure`` takes a ``PredictorConfig`` dict."""
 
     def __init__(self, config: dict | None = None) -> None:
+        process_defaults()  # NOTE: a replica is a process of its own; before MLflow is first imported
+        self.store = paths.predictor_store()
         self.server = self._server(PredictorConfig.model_validate(config or {}))
         self.started_s = time.time()
 
-    @staticmethod
-    def _server(config: PredictorConfig) -> LengthPredictorServer:
-        return LengthPredictorServer(config, RetrainTrigger(config) if config.retrain_enabled else None)
+    def _server(self, config: PredictorConfig) -> LengthPredictorServer:
+        trigger = RetrainTrigger(config, self.store) if config.retrain_enabled else None
+        return LengthPredictorServer(config, trigger, self.store)
 
     def reconfigure(self, config: dict) -> None:
         fresh = PredictorConfig.model_validate(config or {})

@@ -50,8 +50,8 @@ def reservation_tokens(args: Any) -> int:
         return 0
     prediction, sampling = request.get("prediction"), request.get("sampling")
     max_tokens = _int(sampling.get("max_tokens")) if isinstance(sampling, dict) else 0
-    if isinstance(prediction, (list, tuple)) and len(prediction) > 2 and prediction[2] is not None:
-        output = _int(prediction[2])
+    if isinstance(prediction, dict) and prediction.get("bound_tokens") is not None:
+        output = _int(prediction["bound_tokens"])
         output = min(output, max_tokens) if max_tokens > 0 else output  # NOTE: the engine clamps so too
     else:
         output = max_tokens

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from app.cli.serve import free_port
+from deployments.launch import free_port
 from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, get_json, served_model
 from loadtests.summary import SLO
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from app.modules import embedding
+from predictor.modules import embedding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -6,6 +6,9 @@ processes never share a file. Inside a process, threads share a writer: each rec
 default) a record is on disk when ``append`` returns. A writer killed mid-line leaves at most a
 partial last line in its own file; the reader skips (and counts) any line that does not parse
 or validate, so it never crashes and never loses the other records.
+
+The root is the caller's: the data dir's ``feedback`` folder (``app.paths.feedback_dir()``) at the
+entry points, a job's or a test's own folder elsewhere.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ from pathlib import Path
 from types import TracebackType
 
 from pydantic import BaseModel, Field, ValidationError
-
-from app import paths
 
 
 class FeedbackRecord(BaseModel):
@@ -43,19 +44,14 @@ class FeedbackRecord(BaseModel):
     source: str = Field("online", description='Where the record comes from: "online" (the engine), "offline", ...')
 
 
-def feedback_dir() -> Path:
-    """The default store root: ``paths.home() / "feedback"``."""
-    return paths.home() / "feedback"
-
-
 class FeedbackWriter:
     """Appends records to this writer's own JSONL file under ``root``; thread-safe.
 
     The file is created on the first append. After a ``fork`` the child opens a file of its own.
     """
 
-    def __init__(self, root: Path | None = None, fsync: bool = True) -> None:
-        self.root = Path(root) if root is not None else feedback_dir()
+    def __init__(self, root: Path, fsync: bool = True) -> None:
+        self.root = Path(root)
         self.fsync = fsync
         self.path: Path | None = None
         self._fd: int | None = None
@@ -141,20 +137,20 @@ def scan_jsonl(root: Path, model: type[BaseModel]) -> tuple[list, int]:
     return records, skipped_lines
 
 
-def scan_feedback(root: Path | None = None, since_s: float | None = None) -> tuple[list[FeedbackRecord], int]:
+def scan_feedback(root: Path, since_s: float | None = None) -> tuple[list[FeedbackRecord], int]:
     """The feedback records under ``root`` (see ``scan_jsonl``) and the skipped-line count;
     ``since_s`` keeps records with ``timestamp_s >= since_s``."""
-    records, skipped_lines = scan_jsonl(Path(root) if root is not None else feedback_dir(), FeedbackRecord)
+    records, skipped_lines = scan_jsonl(Path(root), FeedbackRecord)
     if since_s is not None:
         records = [r for r in records if r.timestamp_s >= since_s]
     return records, skipped_lines
 
 
-def read_feedback(root: Path | None = None, since_s: float | None = None) -> list[FeedbackRecord]:
+def read_feedback(root: Path, since_s: float | None = None) -> list[FeedbackRecord]:
     """The valid records under ``root`` (see ``scan_feedback``), without the skipped count."""
     return scan_feedback(root, since_s)[0]
 
 
-def count_feedback(root: Path | None = None) -> int:
+def count_feedback(root: Path) -> int:
     """The number of valid records under ``root``."""
     return len(read_feedback(root))

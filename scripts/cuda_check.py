@@ -33,7 +33,7 @@ def main() -> None:
 
     from app.config import EngineConfig
     from app.engine.engine import LLMEngine
-    from app.engine.request import SamplingParams
+    from app.engine.request import EngineRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(mdir)
     prompts = ["Name three colors.", "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child."]
@@ -48,7 +48,7 @@ def main() -> None:
     engine = LLMEngine.from_config(EngineConfig(kv_cache_tokens=4096, device="cuda"))
     print("runner device", engine.runner.device, flush=True)
     for i, (ids, _) in expected.items():  # one batch, chunked prefill mixed with decode
-        engine.add_request(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), request_id=i)
+        engine.add_request(EngineRequest(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), request_id=i))
     got = {i: [] for i in expected}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -102,13 +102,14 @@ def minilm_features(texts: list[str], version: str | None, max_tokens: int = 256
     """Mean-pooled encoder output of the pretrained backbone (``version=None``) or a registry version."""
     import torch
 
+    from app import paths
     from predictor.loading import load_predictor
     from predictor.model import LengthModel, ModelSpec, collate, encode_prompts
 
     if version is None:
         model, tokenizer = LengthModel.from_backbone(ModelSpec(max_input_tokens=max_tokens))
     else:
-        predictor = load_predictor(version)
+        predictor = load_predictor(version, store=paths.predictor_store())
         model, tokenizer = predictor.model, predictor.tokenizer
     model.eval()
     ids = encode_prompts(tokenizer, texts, model.spec.model_copy(update={"max_input_tokens": max_tokens}))
@@ -230,9 +231,10 @@ def run(train_examples: int = 8000, version: str = "champion", max_tokens: int =
 
 def resolve_version(name: str) -> str:
     """The registry version behind ``champion`` or a number; fails before any feature is computed."""
+    from app import paths
     from predictor.loading import load_predictor
 
-    predictor = load_predictor(name)
+    predictor = load_predictor(name, store=paths.predictor_store())
     if not hasattr(predictor, "model"):
         raise ValueError(f"{name!r} is not a learned predictor")
     return str(predictor.version)
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sets", help="comma-separated feature sets to probe (default all; e.g. 'serving last,backbone,predictor')")
     parser.add_argument("--features", type=Path, help="cache the features in this .npz (reused when its settings match)")
     args = parser.parse_args(argv)
+    from app.runtime_env import process_defaults
+
+    process_defaults()  # NOTE: a command of its own: offline hub, no MLflow telemetry
     if args.train_examples < 100:
         parser.error("--train-examples must be at least 100")
     if not 8 <= args.max_input_tokens <= 512:

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 
 from app.config import EngineConfig
-from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
+from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from app.engine.runner import Runner
 from loadtests.bench.throughput import DEFAULT_SCHEDULER, load_requests, make_predictor, run_policy
 from predictor.buckets import LengthBuckets
 
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request")
     ap.add_argument("--json", metavar="FILE", help="also write the rows here")
     args = ap.parse_args(argv)
+    from app.runtime_env import process_defaults
+
+    process_defaults()  # NOTE: a command of its own: offline hub, no MLflow telemetry
     if ":" in args.predictor:
         ap.error("--predictor takes a predictor without :Q; the quantiles come from --quantiles")
     quantiles = [float(q) for q in args.quantiles.split(",") if q.strip()]

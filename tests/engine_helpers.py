@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
-from app.engine.request import SamplingParams
+from app.engine.clock import ModelledClock
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.engine.sim.replay import ReplayRunner
 from tests.fake_runner import FakeRunner
 
 
@@ -28,8 +30,8 @@ def make_engine(
     )
     fields.update(overrides)
     config = EngineConfig(**fields)
-    runner = FakeRunner(block, step_s=step_s, eos_at=eos_at)
-    return LLMEngine(config, runner, config.kv_pool_blocks(1))
+    runner = ReplayRunner(FakeRunner(block, step_s=step_s, eos_at=eos_at))
+    return LLMEngine(config, runner, config.kv_pool_blocks(1), clock=ModelledClock())
 
 
 def add(
@@ -43,20 +45,27 @@ def add(
     ignore_eos: bool = True,
     rank: float | None = None,
 ):
-    """A request forced to ``output_tokens`` (via max_tokens) with a predicted bound (and, given
-    ``rank``, a ranking estimate to order by)."""
-    sampling = SamplingParams(max_tokens=max_tokens or output_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    """A request that ends at ``output_tokens`` with a predicted bound (and, given ``rank``, a
+    ranking estimate to order by). Below ``max_tokens`` the end is an EOS at that length: replayed
+    (the fake model's own EOS suppressed before it) when ``ignore_eos``, else the fake model's EOS
+    (its ``eos_at``, if earlier) or one placed there."""
+    max_tokens = max_tokens or output_tokens
+    if output_tokens < max_tokens and ignore_eos:
+        engine.runner.lengths[rid] = output_tokens
+        ignore_eos = False
+    elif output_tokens < max_tokens:
+        eos_at = engine.runner.eos_at
+        eos_at[rid] = min(eos_at.get(rid, output_tokens), output_tokens)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     bound = predicted if predicted is not None else sampling.max_tokens
-    return engine.add_request(
+    return engine.add_request(EngineRequest(
         prompt_token_ids=[5] * prompt_tokens,
         sampling=sampling,
         request_id=rid,
         priority=priority,
-        prediction=(engine.buckets.bucket_of(bound), None, bound),
-        rank_tokens=rank,
-        true_output_tokens=output_tokens,
-        force_true_length=True,
-    )
+        prediction=Prediction(bucket=engine.buckets.bucket_of(bound), bound_tokens=bound, rank_tokens=rank,
+                              exact_tokens=output_tokens),
+    ))
 
 
 def run_all(engine: LLMEngine, max_steps: int = 100_000, on_step=None) -> dict[str, list]:

@@ -7,7 +7,10 @@ shared between live sequences or freed too early shows up as a corrupted read.
 
 from __future__ import annotations
 
-from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
+import zlib
+
+from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from app.engine.runner import Runner
 
 EOS = 2
 
@@ -29,7 +32,9 @@ class FakeRunner(Runner):
 
     @staticmethod
     def token_for(request_id: str, position: int) -> int:
-        return 10 + (hash((request_id, position)) % 1000)
+        # NOTE: crc32, not hash(): str hashes are salted per process (PYTHONHASHSEED), so hash() gave
+        # each run, and each Ray worker, different tokens (tests/unit/test_fake_runner.py checks this)
+        return 10 + zlib.crc32(f"{request_id}\x00{position}".encode()) % 1000
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         idx = pos // self.block_size

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from app import paths
 from app.batch import jobs
 from app.api import errors
-from app.batch.io import CHAT_URL, write_json
+from app.batch.io import CHAT_URL, read_status, write_json
 
 WINDOW_S = 24 * 3600
 
@@ -147,8 +147,6 @@ class BatchStore:
         try:
             return jobs.status(batch_id, self.jobs())
         except jobs.JobError:
-            from app.batch.job import read_status
-
             report = read_status(self.root / batch_id)
             finished = report.get("state") == "succeeded" and (self.root / batch_id / "results.jsonl").is_file()
             message = "the batch's Ray job is gone (the cluster restarted before it finished); create the batch again"

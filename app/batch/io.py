@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from app.api.schemas import ChatCompletionRequest
 from predictor.feedback import FeedbackWriter, scan_jsonl
 
 CHAT_URL = "/v1/chat/completions"
+STATUS_FILE = "status.json"  # a job's state and summary, in its output directory
 
 
 @dataclass
@@ -166,3 +168,26 @@ class ResultStore:
                 f.write(first[line].model_dump_json() + "\n")
         tmp.replace(out)
         return out
+
+
+def write_status(out_dir: Path, **fields) -> None:
+    """``status.json`` in the output directory (what ``foreserve batch status`` reads), replaced atomically."""
+    path = Path(out_dir) / STATUS_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.update(fields, updated_at=time.time())
+    write_json(path, old)
+
+
+def read_status(out_dir: str | Path) -> dict:
+    """The job's status plus live progress counted from the part files (rows land there as they finish)."""
+    out_dir = Path(out_dir)
+    path = out_dir / STATUS_FILE
+    status = json.loads(path.read_text()) if path.is_file() else {}
+    answered = ResultStore(out_dir).answered()
+    status["rows_done"] = len(answered)
+    status["rows_failed"] = sum(r.error is not None for r in answered.values())
+    tokens = sum(r.output_tokens or 0 for r in answered.values()) - status.get("resumed_output_tokens", 0)
+    started, ended = status.get("started_at"), status.get("finished_at") or time.time()
+    if started and tokens > 0:
+        status["output_tokens_per_s"] = round(tokens / max(ended - started, 1e-9), 2)
+    return status

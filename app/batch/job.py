@@ -25,35 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-from app.batch.io import InputRow, ResultStore, error_row, read_input, write_json
+from app.batch.io import STATUS_FILE, read_status  # noqa: F401 - re-exported (app.batch.io holds them)
+from app.batch.io import InputRow, ResultStore, error_row, read_input, write_status
 from app.batch.stages import EngineStage, PredictStage, ServeStage, running_app
 from app.config import EngineConfig, load_pool_config
+from app.runtime_env import process_defaults
 
-STATUS_FILE = "status.json"
 WORKER_NICENESS = 15  # Ray's default for worker processes
-
-
-def write_status(out_dir: Path, **fields) -> None:
-    """``status.json`` in the output directory (what ``foreserve batch status`` reads), replaced atomically."""
-    path = Path(out_dir) / STATUS_FILE
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    old.update(fields, updated_at=time.time())
-    write_json(path, old)
-
-
-def read_status(out_dir: str | Path) -> dict:
-    """The job's status plus live progress counted from the part files (rows land there as they finish)."""
-    out_dir = Path(out_dir)
-    path = out_dir / STATUS_FILE
-    status = json.loads(path.read_text()) if path.is_file() else {}
-    answered = ResultStore(out_dir).answered()
-    status["rows_done"] = len(answered)
-    status["rows_failed"] = sum(r.error is not None for r in answered.values())
-    tokens = sum(r.output_tokens or 0 for r in answered.values()) - status.get("resumed_output_tokens", 0)
-    started, ended = status.get("started_at"), status.get("finished_at") or time.time()
-    if started and tokens > 0:
-        status["output_tokens_per_s"] = round(tokens / max(ended - started, 1e-9), 2)
-    return status
 
 
 def predict(todo: list[InputRow], predictor: str, threads: int, bound_quantile: float | None = None) -> list[dict]:
@@ -207,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--app-name", default="foreserve")
     p.add_argument("--parquet", action="store_true")
     args = p.parse_args(argv)
+    process_defaults()
     import ray
 
     # NOTE: Ray runs its workers (the engines) at niceness 15 and a job's driver at 0, so the

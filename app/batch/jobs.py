@@ -114,7 +114,7 @@ def _latest(jobs, job_id: str):
 
 def status(job_id: str, jobs=None) -> dict:
     """Ray's job state plus the job's own progress (rows done/total, output tokens/s)."""
-    from app.batch.job import read_status
+    from app.batch.io import read_status
 
     jobs = jobs or client(start=False)
     info = _latest(jobs, job_id)

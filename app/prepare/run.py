@@ -28,11 +28,13 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     manifest = json.loads((traces_path / MANIFEST).read_text())
     champion = None
     if predictor:
+        from app import paths
         from predictor import registry
         from predictor.training.pipeline import ensure_champion
 
-        trained = ensure_champion()
-        champion = {"version": registry.champion_version(), "trained_now": trained}
+        store = paths.predictor_store()
+        trained = ensure_champion(store)
+        champion = {"version": registry.champion_version(registry.configure(store)), "trained_now": trained}
     t3 = time.perf_counter()
     return {
         "model_dir": str(model_path),

@@ -260,7 +260,6 @@ def ensure_traces(force: bool = False) -> Path:
     out_dir = paths.traces_dir()
     if not force and _manifest_matches(out_dir, _expected_manifest(source, str(model_path))):
         return out_dir
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

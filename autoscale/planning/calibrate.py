@@ -49,7 +49,8 @@ def _unit_runner():
 
 def _step_components(chunks: list[tuple[int, int, bool]]) -> tuple[float, float]:
     """(bytes, FLOPs) of one step of (cached tokens, new tokens, sampled) chunks, as SimRunner costs it."""
-    from app.engine.request import SamplingParams, ScheduledChunk
+    from app.engine.outputs import ScheduledChunk
+    from app.engine.request import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     step = [ScheduledChunk(f"r{i}", [1] * n, start, [], bool(sample), greedy, 0)
@@ -90,7 +91,7 @@ def measure(batch_sizes: list[int], context: int, repeats: int) -> list[tuple[in
 
     from app.config import EngineConfig
     from app.engine.model.hf_runner import HFRunner
-    from loadtests.bench.runner_microbench import bench_runner
+    from app.engine.model.timing import bench_runner
 
     steps = repeats
     tokens = max(batch_sizes) * (context + 2 * steps + 40)

@@ -23,7 +23,9 @@ import numpy as np
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.sim.profiles import HardwareProfile, ModelProfile
-from app.engine.request import SamplingParams
+from app.engine.clock import ModelledClock
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.engine.sim.replay import ReplayRunner
 from app.engine.sim.runner import SimRunner
 from predictor.buckets import LengthBuckets
 
@@ -102,19 +104,20 @@ def _engine(spec: PoolSpec, scheduler: str, workload: Workload, ttft_slo_ms: flo
         kv_cache_tokens=runner.kv_budget_tokens(),
     )
     num_blocks = config.kv_pool_blocks(runner.kv_bytes_per_token)
-    return LLMEngine(config, runner, num_blocks)
+    return LLMEngine(config, ReplayRunner(runner), num_blocks, clock=ModelledClock())
 
 
 def _add(engine: LLMEngine, i: int, workload: Workload, buckets: LengthBuckets, policy: str) -> str:
     n = len(workload.prompt_tokens)
     out = workload.output_tokens[i % n]
     bound = workload.max_tokens if policy == "reserve_max" else buckets.upper_bound_tokens(buckets.bucket_of(out))
-    req = engine.add_request(
+    engine.runner.lengths[str(i)] = out  # ends at its recorded length
+    req = engine.add_request(EngineRequest(
         prompt_token_ids=[1] * workload.prompt_tokens[i % n],
-        sampling=SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True),
-        request_id=str(i), prediction=(buckets.bucket_of(out), None, bound),
-        true_output_tokens=out, force_true_length=True, detokenize=False,
-    )
+        sampling=SamplingParams(max_tokens=workload.max_tokens),
+        request_id=str(i), prediction=Prediction(bucket=buckets.bucket_of(out), bound_tokens=bound, exact_tokens=out),
+        detokenize=False,
+    ))
     return req.request_id
 
 
@@ -133,7 +136,7 @@ def simulate_online(spec: PoolSpec, rate_rps: float, workload: Workload, duratio
     i = 0
     while i < requests or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
-            engine.idle_until(float(arrivals[i]))
+            engine.clock.idle_until(float(arrivals[i]))
         while i < requests and arrivals[i] <= engine.clock():
             arrived[_add(engine, i, workload, buckets, spec.policy)] = float(arrivals[i])
             i += 1

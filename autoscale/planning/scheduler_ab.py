@@ -20,9 +20,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from app import paths
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
-from app.engine.request import SamplingParams
+from app.engine.clock import ModelledClock
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.engine.sim.replay import ReplayRunner
 from app.engine.sim.runner import SimRunner
 from autoscale.planning.capacity import Workload
 from predictor.buckets import LengthBuckets
@@ -45,7 +48,8 @@ def predict_workload(workload: Workload, predictor_name: str, bound_quantile: fl
 
     if not workload.texts:
         raise ValueError("this workload has no prompt texts (build the traces with `foreserve prepare`)")
-    predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens), bound_quantile=bound_quantile)
+    predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens), bound_quantile=bound_quantile,
+                               store=paths.predictor_store())
     pred = predictor.predict(workload.texts)
     return Predictions(list(pred.buckets), list(pred.bound_tokens), pred.rank_tokens,
                        f"{predictor_name} (version {getattr(predictor, 'version', '?')})")
@@ -72,7 +76,8 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
     """One open-loop run of ``config.scheduler`` (the runner is stateless between runs)."""
     if order_by not in ("rank", "bound"):
         raise ValueError(f"order_by is 'rank' or 'bound', got {order_by!r}")
-    engine = LLMEngine(config, runner, config.kv_pool_blocks(runner.kv_bytes_per_token))
+    replay = ReplayRunner(runner)
+    engine = LLMEngine(config, replay, config.kv_pool_blocks(runner.kv_bytes_per_token), clock=ModelledClock())
     buckets = LengthBuckets(max_tokens=workload.max_tokens, num_buckets=config.num_buckets)
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate_rps, int(rate_rps * duration_s * 2) + 10))
@@ -86,7 +91,7 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
     i = 0
     while i < len(arrivals) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
-            engine.idle_until(float(arrivals[i]))
+            engine.clock.idle_until(float(arrivals[i]))
         while i < len(arrivals) and arrivals[i] <= engine.clock():
             k, out = picks[i], workload.output_tokens[picks[i]]
             if predictions is None:
@@ -96,12 +101,14 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
                 bucket, bound = predictions.buckets[k], predictions.bounds[k]
                 rank = predictions.rank_tokens[k] if predictions.rank_tokens else None
             rid = str(i)
-            engine.add_request(
+            replay.lengths[rid] = out  # ends at its recorded length
+            engine.add_request(EngineRequest(
                 prompt_token_ids=[1] * workload.prompt_tokens[k],
-                sampling=SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True),
-                request_id=rid, prediction=(bucket, None, bound), rank_tokens=rank if order_by == "rank" else None,
-                true_output_tokens=out, force_true_length=True, detokenize=False,
-            )
+                sampling=SamplingParams(max_tokens=workload.max_tokens),
+                request_id=rid, detokenize=False,
+                prediction=Prediction(bucket=bucket, bound_tokens=bound, rank_tokens=rank if order_by == "rank" else None,
+                                      exact_tokens=out),
+            ))
             arrived[rid], lengths[rid] = float(arrivals[i]), out
             i += 1
         for o in engine.step():

@@ -79,9 +79,9 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
     """The scenario; returns timings, request outcomes and the decision log entries it caused."""
     import tempfile
 
-    from app.cli.serve import _stop, free_port, start
     from app.config import APP_NAME, DEFAULT_CONFIG_PATH
     from autoscale.decisions import default_log_path, read_decisions
+    from deployments.launch import free_port, start, stop
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="foreserve-burst-"))
     cfg = burst_config(Path(config) if config else DEFAULT_CONFIG_PATH, work / "serve_config.yaml", ttft_slo_ms, calm_s)
@@ -124,7 +124,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
         decisions = read_decisions(log_path)[logged_before:]
     finally:
         stop_watch.set()
-        _stop()
+        stop()
     woken = [round(t - burst_start, 1) for t, up in samples if gave_up_s is not None and gave_up_at < t < online_done_at and up]
     return {
         "startup_s": round(startup_s, 1),

@@ -23,12 +23,13 @@ def measure(predictor, texts: list[str], batch_size: int, repeats: int = 3) -> d
 def run(version: str = "champion", num_prompts: int = 256, threads: int | None = None) -> dict:
     import torch
 
-    from predictor.training.dataset import trace_examples
+    from app import paths
     from predictor.loading import load_predictor
+    from predictor.training.dataset import trace_examples
 
     if threads:
         torch.set_num_threads(threads)
-    predictor = load_predictor(version)
+    predictor = load_predictor(version, store=paths.predictor_store())
     texts = [e.text for e in trace_examples("validation")[:num_prompts]]
     predictor.predict(texts[:8])  # warm-up
     return {

@@ -9,47 +9,15 @@ filled with random values: the step time does not depend on what the cache holds
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from app.config import EngineConfig  # noqa: E402
-from app.engine.kv.pool import KVPool  # noqa: E402
-from app.engine.request import SamplingParams, ScheduledChunk, SchedulerOutput  # noqa: E402
-
-
-def bench_runner(runner, batch: int, context: int, steps: int, warmup: int,
-                 sampling: SamplingParams = SamplingParams(temperature=0.0)) -> float:
-    pool = KVPool(runner.num_blocks, runner.block_size)
-    tables = [pool.allocate(pool.blocks_for(context + warmup + steps + 1)) for _ in range(batch)]
-    times = []
-    for s in range(warmup + steps):
-        chunks = [ScheduledChunk(f"r{i}", [100 + i], context + s, tables[i], True, sampling, s) for i in range(batch)]
-        out = runner.execute(SchedulerOutput(chunks))
-        if s >= warmup:
-            times.append(out.step_s)
-    for t in tables:
-        pool.free(t)
-    return statistics.median(times) * 1000
-
-
-def bench_prefill(runner, tokens: int, start_pos: int, steps: int) -> float:
-    """One chunk of ``tokens`` prompt tokens at ``start_pos`` (0: a fresh prompt; else a continuation)."""
-    pool = KVPool(runner.num_blocks, runner.block_size)
-    table = pool.allocate(pool.blocks_for(start_pos + tokens))
-    greedy = SamplingParams(temperature=0.0)
-    times = []
-    for s in range(steps + 1):
-        chunk = ScheduledChunk(f"p{s}", list(range(100, 100 + tokens)), start_pos, table, True, greedy, 0)
-        out = runner.execute(SchedulerOutput([chunk]))
-        if s:
-            times.append(out.step_s)
-    pool.free(table)
-    return statistics.median(times) * 1000
+from app.config import EngineConfig
+from app.engine.model.timing import bench_prefill, bench_runner  # the timings (the CPU calibration's too)
+from app.engine.request import SamplingParams
+from app.runtime_env import process_defaults
 
 
 def bench_hf(model, batch: int, context: int, steps: int, warmup: int) -> float:
@@ -88,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gather-attention", action="store_true",
                     help="decode attention by gather + SDPA instead of the paged C++ kernel (cpu_paged_attention off)")
     args = ap.parse_args(argv)
+    process_defaults()  # NOTE: a command of its own (offline hub), before transformers is imported
 
     from app.engine.model.hf_runner import HFRunner
 

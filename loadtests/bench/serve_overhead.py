@@ -44,7 +44,7 @@ def _one(client, url: str, model: str, max_tokens: int) -> tuple[str, float, lis
 def run(requests: int = 20, max_tokens: int = 32, config: str | None = None) -> dict:
     from ray import serve
 
-    from app.cli.serve import _stop, free_port, start
+    from deployments.launch import free_port, start, stop
 
     port = free_port()
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def run(requests: int = 20, max_tokens: int = 32, config: str | None = None) -> 
             })
     finally:
         client.close()
-        _stop()
+        stop()
     return {
         "config": {"requests": requests, "max_tokens": max_tokens, "prompt": PROMPT, "config": config or "serve_config.yaml"},
         "startup_s": round(startup_s, 1),

@@ -1,8 +1,9 @@
 """`foreserve bench throughput`: offline replay of the ShareGPT validation trace.
 
 All policies run side by side in one process on the same requests and the same KV budget, each
-request forced to its true output length (EOS ignored, the standard convention), with the real
-model (or the simulated runner with ``--sim HARDWARE:MODEL``), plus the transformers peers.
+request forced to its true output length (EOS at that length and never before, the standard
+convention: ``ReplayRunner``), with the real model (or the simulated runner with
+``--sim HARDWARE:MODEL``), plus the transformers peers.
 Only useful tokens count. Output: the benchmark JSON contract of DESIGN.md.
 """
 
@@ -14,9 +15,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from app import paths
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
-from app.engine.request import Runner, SamplingParams
+from app.engine.clock import ModelledClock, WallClock
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.engine.runner import Runner
+from app.engine.sim.replay import ReplayRunner
 from predictor.base import LengthPredictor, MaxPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
 
@@ -61,7 +66,7 @@ def make_predictor(name: str, requests: list[BenchRequest], buckets: LengthBucke
         return MaxPredictor(buckets)
     from predictor.loading import load_predictor  # the learned predictor (MLflow registry)
 
-    return load_predictor(name, buckets, bound_quantile=bound_quantile)
+    return load_predictor(name, buckets, bound_quantile=bound_quantile, store=paths.predictor_store())
 
 
 def run_policy(
@@ -76,20 +81,21 @@ def run_policy(
     """Replay ``requests`` (all arriving at t=0) through one engine; return one result row
     (``name`` labels the row; default the allocation policy)."""
     name = name or config.allocation
-    engine = LLMEngine(config, runner, num_blocks, tokenizer=None, predictor=predictor)
+    ids = {r.request_id: f"{label}{name}-{r.request_id}" for r in requests}
+    replay = ReplayRunner(runner, {ids[r.request_id]: r.output_tokens for r in requests})  # each ends at its true length
+    clock = ModelledClock() if runner.simulated else WallClock()
+    engine = LLMEngine(config, replay, num_blocks, tokenizer=None, predictor=predictor, clock=clock)
     pred = predictor.predict([r.user for r in requests])
     t0 = time.perf_counter()
     for i, r in enumerate(requests):
-        engine.add_request(
+        engine.add_request(EngineRequest(
             prompt_token_ids=r.prompt_token_ids,
-            sampling=SamplingParams(max_tokens=config.default_max_tokens, temperature=0.0, ignore_eos=True),
-            request_id=f"{label}{name}-{r.request_id}",
+            sampling=SamplingParams(max_tokens=config.default_max_tokens, temperature=0.0),
+            request_id=ids[r.request_id],
             prompt=r.prompt,
-            prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
-            true_output_tokens=r.output_tokens,
-            force_true_length=True,
+            prediction=Prediction(bucket=pred.buckets[i], bound_tokens=pred.bound_tokens[i], exact_tokens=r.output_tokens),
             detokenize=False,
-        )
+        ))
     total = sum(r.output_tokens for r in requests)
     with tqdm(total=total, desc=f"{name:>17}", unit="tok", leave=False, mininterval=2.0) as bar:
         while engine.has_unfinished_requests():

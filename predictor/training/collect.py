@@ -7,9 +7,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app import paths
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
-from app.engine.request import SamplingParams
+from app.engine.request import EngineRequest, Prediction, SamplingParams
 
 
 def request_id(split: str, trace_id: str) -> str:
@@ -42,6 +43,7 @@ def collect_feedback(
     records = load_trace(split)[offset : offset + num_prompts]
     if not records:
         raise ValueError(f"no {split} prompts at offset {offset}")
+    root = root or paths.feedback_dir()
     answered = {r.request_id for r in scan_feedback(root)[0]}
     todo = [(offset + j, r) for j, r in enumerate(records) if request_id(split, r.id) not in answered]
     if not todo:
@@ -50,22 +52,22 @@ def collect_feedback(
         allocation="reserve_predicted", scheduler="offline", kv_cache_tokens=kv_cache_tokens,
         default_max_tokens=max_tokens, max_model_len_tokens=max_tokens + 1024, torch_threads=torch_threads,
     )
-    predictor = load_predictor_or_max("champion")
+    predictor = load_predictor_or_max("champion", store=paths.predictor_store())
     with FeedbackWriter(root) as writer:
         engine = LLMEngine.from_config(config, predictor=predictor, feedback=writer)
         try:
             pred = predictor.predict([rec.user for _, rec in todo])
+            version = None if getattr(predictor, "version", None) is None else str(predictor.version)
             for i, (position, rec) in enumerate(todo):
-                engine.add_request(
+                engine.add_request(EngineRequest(
                     prompt=rec.prompt,
                     sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + position),
                     request_id=request_id(split, rec.id),
                     tier="offline",
-                    prediction=(pred.buckets[i], None, pred.bound_tokens[i]),
+                    prediction=Prediction(bucket=pred.buckets[i], bound_tokens=pred.bound_tokens[i], version=version),
                     predictor_text=rec.user,
-                    predictor_version=getattr(predictor, "version", None),
                     detokenize=False,
-                )
+                ))
             with tqdm(total=len(todo), desc="collect feedback", unit="req") as bar:
                 while engine.has_unfinished_requests():
                     done = sum(o.finished for o in engine.step())

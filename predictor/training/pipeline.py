@@ -1,5 +1,8 @@
 """Train → log → register → gate → promote. The CLI and the retraining loop are thin layers over
-these functions; loading what serves is ``predictor/loading.py`` (re-exported here)."""
+these functions; loading what serves is ``predictor/loading.py`` (re-exported here).
+
+Each function works on the registry ``store`` it is given; left out, the data dir's
+(``app.paths.predictor_store()``, read when it runs)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from app import paths
 from predictor import registry
-from predictor.training.dataset import Example, examples_hash, selection_examples, training_examples
 from predictor.loading import load_predictor, load_predictor_or_max  # noqa: F401 - re-exported
-from predictor.training.metrics import METRICS
 from predictor.model import LengthModel, ModelSpec
+from predictor.store import Store
+from predictor.training.dataset import Example, examples_hash, selection_examples, training_examples
+from predictor.training.metrics import METRICS
 from predictor.training.train import TrainConfig, evaluate, train_model
 
 logger = logging.getLogger(__name__)
@@ -31,17 +36,18 @@ def _metrics_only(metrics: dict) -> dict[str, float]:
     return {k: float(metrics[k]) for k in METRICS if k in metrics}
 
 
-def champion_metrics(evalset: list[Example], eval_hash: str) -> dict[str, float] | None:
+def champion_metrics(evalset: list[Example], eval_hash: str, store: Store | None = None) -> dict[str, float] | None:
     """The champion's metrics on ``evalset``: stored ones when they were computed on the same
     set, else measured now. None when there is no champion (or it cannot be loaded)."""
-    version = registry.champion_version()
+    store = store or paths.predictor_store()
+    version = registry.champion_version(registry.configure(store))
     if version is None:
         return None
     try:
         tags = registry.get_version_info(version).get("tags", {})
         if tags.get("eval_set_hash") == eval_hash and all(f"metric.{k}" in tags for k in METRICS):
             return {k: float(tags[f"metric.{k}"]) for k in METRICS}
-        return _metrics_only(evaluate(load_predictor(version), evalset))
+        return _metrics_only(evaluate(load_predictor(version, store=store), evalset))
     except Exception as exc:  # noqa: BLE001 - a broken champion loses to any working candidate
         logger.error("champion v%s cannot be evaluated (%s); treating it as absent", version, exc)
         return None
@@ -57,16 +63,19 @@ def train_and_register(
     promote: bool = True,
     extra_params: dict | None = None,
     turns: str = "first",
+    store: Store | None = None,
 ) -> dict:
-    """Train, log every epoch to MLflow, register a version, gate it against the champion on
-    the same eval set, promote it if it wins. Returns a summary dict. Without ``train``, the
-    traces' train split: first turns, or with ``turns="all"`` the later turns too."""
+    """Train, log every epoch to MLflow, register a version in ``store``, gate it against the
+    champion on the same eval set, promote it if it wins. Returns a summary dict. Without
+    ``train``, the traces' train split: first turns, or with ``turns="all"`` the later turns too."""
+    store = store or paths.predictor_store()
     if train is None:
         train, extra_params = training_examples(turns), {**(extra_params or {}), "turns": turns}
     evalset = evalset if evalset is not None else selection_examples()
     eval_hash = examples_hash(evalset)
     params = {**config.model_dump(), **spec.model_dump(), "train_examples": len(train),
               "eval_examples": len(evalset), "source": source, **(extra_params or {})}
+    registry.configure(store)
     run_id = registry.start_run(params, tags={"source": source, "eval_set_hash": eval_hash})
     registry.log_eval_hash(run_id, eval_hash)
     t0 = time.perf_counter()
@@ -88,14 +97,15 @@ def train_and_register(
     summary = {"version": version, "run_id": run_id, "metrics": final, "eval_set_hash": eval_hash,
                "train_s": round(time.perf_counter() - t0, 1), "promoted": False, "gate": "not run"}
     if promote:
-        incumbent = champion_metrics(evalset, eval_hash)
+        incumbent = champion_metrics(evalset, eval_hash, store)
         accepted, reason = registry.promote_if_better(version, final, incumbent, eval_hash)
         summary.update(promoted=accepted, gate=reason, champion_metrics=incumbent)
     return summary
 
 
-def ensure_champion() -> dict | None:
+def ensure_champion(store: Store | None = None) -> dict | None:
     """Train and promote a first, quick champion when the registry has none (``prepare``)."""
-    if registry.champion_version() is not None:
+    store = store or paths.predictor_store()
+    if registry.champion_version(registry.configure(store)) is not None:
         return None
-    return train_and_register(QUICK_TRAIN, QUICK_SPEC, extra_params={"recipe": "quick"})
+    return train_and_register(QUICK_TRAIN, QUICK_SPEC, extra_params={"recipe": "quick"}, store=store)

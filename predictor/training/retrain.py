@@ -5,6 +5,9 @@ misprediction rate passes a threshold. Retraining continues from the champion on
 (plus a sample of the original ShareGPT data, so it does not forget), is gated on a held-out slice
 of the feedback (the serving model's own lengths) and promoted if it wins. ``submit_retrain`` runs
 it as a Ray task, which the serving app calls on a timer.
+
+The feedback folder and the registry's store are arguments; left out, they are the data dir's
+(``app.paths``), read when the function runs.
 """
 
 from __future__ import annotations
@@ -16,30 +19,15 @@ import random
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, Field
-
+from app import paths
 from predictor.buckets import LengthBuckets
+from predictor.config import RetrainPolicy
+from predictor.feedback import FeedbackRecord, scan_feedback
+from predictor.store import Store
 from predictor.training.dataset import Example, feedback_examples, is_censored, trace_examples
-from predictor.feedback import FeedbackRecord, feedback_dir, scan_feedback
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "retrain_state.json"
-
-
-class RetrainPolicy(BaseModel):
-    """When and how to retrain from feedback (``serve_config.yaml: predictor.training.retrain``)."""
-
-    every_records: int = Field(500, ge=1, description="Retrain after this many new usable feedback records.")
-    mispredict_rate: float = Field(0.5, gt=0, le=1, description="...or when this share of the recent window was mispredicted (bound too small, or off by more than one bucket).")
-    window_records: int = Field(200, ge=1, description="Size of the recent window for the misprediction rate.")
-    min_records: int = Field(50, ge=1, description="Never retrain on fewer new records than this.")
-    holdout_frac: float = Field(0.2, gt=0, lt=1, description="Share of feedback prompts held out to gate the candidate.")
-    original_examples: int = Field(300, ge=0, description="ShareGPT train examples mixed in so the model keeps what it knew (more pulls it back toward ShareGPT's lengths: 2,000 did worse on the model's own, README).")
-    epochs: int = Field(4, ge=1, description="Epochs over feedback + original examples.")
-    lr: float = Field(3e-5, gt=0, description="Encoder learning rate when continuing from the champion.")
-    gate: bool = Field(True, description="Promote only a candidate that beats the champion on the held-out feedback; false promotes every retrained version (demos, tests).")
-    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by the retraining task.")
-    retry_after_s: float = Field(600.0, ge=0, description="After a retrain that failed or was declined (too little usable feedback), wait this long before the next.")
 
 
 def is_holdout(text: str, frac: float) -> bool:
@@ -63,7 +51,7 @@ def _state_path(root: Path) -> Path:
 
 
 def last_retrain_s(root: Path | None = None) -> float:
-    path = _state_path(root or feedback_dir())
+    path = _state_path(root or paths.feedback_dir())
     try:
         return float(json.loads(path.read_text())["last_retrain_s"])
     except (OSError, ValueError, KeyError):
@@ -71,7 +59,7 @@ def last_retrain_s(root: Path | None = None) -> float:
 
 
 def mark_retrained(root: Path | None = None, when_s: float | None = None) -> None:
-    root = root or feedback_dir()
+    root = root or paths.feedback_dir()
     root.mkdir(parents=True, exist_ok=True)
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps({"last_retrain_s": when_s if when_s is not None else time.time()}))
@@ -102,7 +90,7 @@ def records_since_last_retrain(records: list[FeedbackRecord], root: Path | None 
 
 def retrain_due(policy: RetrainPolicy, spec, root: Path | None = None) -> str | None:
     """Why the feedback written since the last retraining calls for another one now, or None."""
-    root = root or feedback_dir()
+    root = root or paths.feedback_dir()
     return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], root), policy, spec.buckets)
 
 
@@ -114,16 +102,19 @@ def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tok
 
 
 def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
-                          promote: bool = True) -> dict:
-    """Check the trigger (unless ``force``), then retrain, register (``source=feedback``), gate
-    and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when nothing to do."""
+                          promote: bool = True, store: Store | None = None) -> dict:
+    """Check the trigger (unless ``force``), then retrain, register (``source=feedback``) in
+    ``store``, gate and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when
+    nothing to do."""
     from predictor import registry
     from predictor.training import pipeline
     from predictor.model import META, LengthModel, ModelSpec
     from predictor.training.train import TrainConfig
 
     policy = policy or RetrainPolicy()
-    root = root or feedback_dir()
+    root = root or paths.feedback_dir()
+    store = store or paths.predictor_store()
+    registry.configure(store)
     started_s = time.time()  # NOTE: before the scan: a record written during it counts next time
     records, skipped = scan_feedback(root)
     new = records if force else records_since_last_retrain(records, root)
@@ -140,7 +131,7 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     mix = train + original[: policy.original_examples]
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
     summary = pipeline.train_and_register(
-        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote and policy.gate,
+        config, spec, train=mix, evalset=holdout, source="feedback", promote=promote and policy.gate, store=store,
         init=LengthModel.load(directory),
         extra_params={"feedback_train": len(train), "feedback_holdout": len(holdout), "parent_version": version, "trigger": reason},
     )
@@ -152,10 +143,20 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     return {"retrained": True, "reason": reason, "parent_version": version, **summary}
 
 
-def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False):
-    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef."""
+def _retrain_task(policy: RetrainPolicy, root: Path, force: bool, store: Store) -> dict:
+    """The Ray task's body: a process of its own, so it sets the process defaults first."""
+    from app.runtime_env import process_defaults
+
+    process_defaults()
+    return retrain_from_feedback(policy, root, force, store=store)
+
+
+def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
+                   store: Store | None = None):
+    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef. The
+    feedback folder and the store are resolved here, in the caller's process, and handed to the task."""
     import ray
 
     policy = policy or RetrainPolicy()
-    task = ray.remote(num_cpus=policy.num_cpus, max_retries=0)(retrain_from_feedback)
-    return task.remote(policy, root, force)
+    task = ray.remote(num_cpus=policy.num_cpus, max_retries=0)(_retrain_task)
+    return task.remote(policy, root or paths.feedback_dir(), force, store or paths.predictor_store())

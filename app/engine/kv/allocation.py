@@ -196,9 +196,9 @@ class Oracle(ReservePredicted):
     name = "oracle"
 
     def predicted_total_tokens(self, req: Request) -> int:
-        if req.true_output_tokens is None:
+        guess = req.prediction.exact_tokens
+        if guess is None:
             return req.max_total_tokens
-        guess = req.true_output_tokens
         if req.num_output_tokens >= guess:  # the "true" length was wrong (EOS not forced): widen
             guess = max(guess, req.predicted_output_tokens)
         return req.num_prompt_tokens + min(guess, req.sampling.max_tokens)

@@ -13,7 +13,6 @@ shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside t
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,8 @@ import torch.nn.functional as F
 
 from app.config import EngineConfig
 from app.engine.model.cpu_linear import linear, prepack
-from app.engine.request import ModelRunnerOutput, Runner, ScheduledChunk, SchedulerOutput
+from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,7 +124,6 @@ class HFRunner(Runner):
 
     def __init__(self, config: EngineConfig, num_blocks: int, model: torch.nn.Module | None = None,
                  with_tokenizer: bool = True) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from app.engine.model.llama import load_model
         from app.engine.text.tokenizer import load_tokenizer
 
@@ -197,10 +196,9 @@ class HFRunner(Runner):
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
         """K + V bytes one token takes over all layers (whole model, all ranks together)."""
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-        return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
+        from app.engine.model.llama import kv_bytes_per_token
+
+        return kv_bytes_per_token(hf_config, torch_dtype(dtype))
 
     # -- step --------------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.modules import embedding
+from predictor.modules import embedding
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,18 @@ def model_config(model_path: str | Path):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model_path)
+
+
+def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
+    """K + V bytes one token takes over all layers (whole model, all ranks together) of a model with
+    config ``hf_config`` (``model_config``'s) with its cache in ``dtype``. Here, beside the config
+    reader, so that sizing a KV pool (``app.config``) needs no runner."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
 
 
 def load_model(model_path: str | Path, model_impl: str, dtype: torch.dtype, device: torch.device) -> nn.Module:

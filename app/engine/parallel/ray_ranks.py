@@ -15,7 +15,8 @@ import os
 import time
 
 from app.config import EngineConfig
-from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
+from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from app.engine.runner import Runner
 from app.runtime_env import PROCESS_ENV, env_vars
 from app.engine.parallel.tp import STARTUP_TIMEOUT_S, TPGroupError, _free_port, build_rank_runner, rank_env, setup_driver
 

@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from multiprocessing import connection
 
 from app.config import EngineConfig
-from app.engine.request import ModelRunnerOutput, Runner, SchedulerOutput
+from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from app.engine.runner import Runner
 
 STARTUP_TIMEOUT_S = 900.0
 ERROR_GRACE_S = 30.0  # after one rank fails, how long the others get to answer
@@ -197,7 +198,6 @@ class TPRunner(Runner):
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         import torch.multiprocessing as mp
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         world, threads = setup_driver(self, config, num_blocks)
         self.master_port = port = _free_port()
         ctx = mp.get_context("spawn")

@@ -13,13 +13,8 @@ from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.kv.allocation import AllocationPolicy, Grow
-from app.engine.request import (
-    ModelRunnerOutput,
-    Request,
-    RequestStatus,
-    ScheduledChunk,
-    SchedulerOutput,
-)
+from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from app.engine.request import FINISH_REASONS, Request, RequestStatus
 
 
 @dataclass
@@ -85,15 +80,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (stop, length, abort): free its blocks and forget it."""
+        """Retire a request (the engine decides stop or length; abort): free its blocks and forget it."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.policy.free(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status.queued:
             self.waiting.remove(req)
             self._waiting_version += 1
         req.status = status
-        req.finish_reason = status.value
+        req.finish_reason = FINISH_REASONS[status]
         req.finished_s = self.clock()
         self.requests.pop(req.request_id, None)
         self._admit_order.pop(req.request_id, None)
@@ -117,7 +112,7 @@ class Scheduler:
         req.num_recomputed_tokens += req.num_computed_tokens
         req.num_preemptions += 1
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
+        req.status = RequestStatus.PREEMPTED
         self.waiting.append(req)
         self._waiting_version += 1
         # NOTE: the runner keeps the request's sampler state across a preemption, so a seeded
@@ -241,10 +236,10 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
         )
 
-    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, eos_token_id: int | None) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, retire on EOS or max_tokens.
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens and append sampled tokens; the engine then decides who ends.
 
-        Returns the requests that received a token this step (finished ones included).
+        Returns the requests that received a token this step.
         """
         now = self.clock()
         touched: list[Request] = []
@@ -255,15 +250,8 @@ class Scheduler:
             req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            token = result.sampled_token_ids[chunk.request_id]
-            req.output_token_ids.append(token)
+            req.output_token_ids.append(result.sampled_token_ids[chunk.request_id])
             if req.first_token_s is None:
                 req.first_token_s = now
             touched.append(req)
-            if token == eos_token_id and not req.sampling.ignore_eos:
-                self.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.num_output_tokens >= req.sampling.max_tokens or (
-                req.force_true_length and req.num_output_tokens >= (req.true_output_tokens or 0)
-            ):
-                self.finish(req, RequestStatus.FINISHED_LENGTH)
         return touched

@@ -3,7 +3,7 @@ a TPOT-capped step and TTFT-aware anti-starvation.
 
 - Order: ``predicted remaining tokens - aging rate * seconds waited`` (priority first), so short
   answers go first and every request's key falls steadily until it reaches the head. The prediction
-  is the predictor's ranking estimate (``rank_output_tokens``: its ranking score, in tokens) when it
+  is the predictor's ranking estimate (``Prediction.rank_tokens``: its ranking score, in tokens) when it
   has one, else the reservation bound (ten bucket edges: requests in one bucket tie). The aging
   rate is counted in engine steps (``aging_tokens_per_step`` over the measured mean step time), so
   it means the same on any hardware (a fixed tokens/s is far too fast on a CPU, too slow on a GPU).

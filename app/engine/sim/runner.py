@@ -31,7 +31,8 @@ from app.engine.sim.profiles import (
     kv_budget_bytes_per_rank,
     parse_sim_spec,
 )
-from app.engine.request import ModelRunnerOutput, Runner, ScheduledChunk, SchedulerOutput
+from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from app.engine.runner import Runner
 
 DUMMY_TOKEN_ID = 1  # sampled for every sequence; never EOS (eos_token_id is None)
 

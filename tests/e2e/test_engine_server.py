@@ -1,0 +1,68 @@
+"""The engine-server deployment on real Ray Serve with the real model: streaming, the feedback
+record, routing stats, a rejected request's error and a client that walks away."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from app import paths
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path):
+    import ray
+    from ray import serve
+
+    from deployments.engine_server import EngineServerDeployment
+    from predictor.feedback import read_feedback
+
+    feedback = tmp_path / "home"
+    (feedback / "models").mkdir(parents=True)
+    (feedback / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
+    env = {"FORESERVE_HOME": str(feedback), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        app = EngineServerDeployment.options(name="online").bind("online", {"kv_cache_tokens": 2048, "torch_threads": 1})
+        handle = serve.run(app, name="engine-test", route_prefix=None).options(stream=True)
+        request = {"request_id": "r1", "messages": [{"role": "user", "content": "Say hello."}],
+                   "sampling": {"max_tokens": 8, "temperature": 0.0}, "prediction": {"bucket": 0, "bound_tokens": 102, "rank_tokens": 12.5, "version": "7"},
+                   "predictor_text": "Say hello."}
+
+        async def collect(req) -> list[dict]:
+            return [item async for item in handle.generate.remote(req)]
+
+        items = asyncio.run(collect(request))
+        assert items[-1]["finished"] and items[-1]["completion_tokens"] == len(items) <= 8
+        assert items[-1]["finish_reason"] in ("stop", "length") and "".join(i["text"] for i in items).strip()
+
+        too_long = {**request, "request_id": "r2", "sampling": {"max_tokens": 5000}}
+        (rejected,) = asyncio.run(collect(too_long))  # one typed error item, not an exception
+        assert rejected["error"]["status_code"] == 400 and "exceeds" in rejected["error"]["message"]
+
+        async def walk_away() -> None:
+            stream = handle.generate.remote({**request, "request_id": "r3", "sampling": {"max_tokens": 200, "ignore_eos": True}})
+            async for _ in stream:
+                break
+            stream.cancel()
+
+        asyncio.run(walk_away())
+        stats = serve.get_deployment_handle("online", "engine-test").stats.remote().result()
+        for _ in range(50):  # the abort reaches the engine thread asynchronously
+            if stats["kv_used_tokens"] == 0:
+                break
+            asyncio.run(asyncio.sleep(0.1))
+            stats = serve.get_deployment_handle("online", "engine-test").stats.remote().result()
+        assert stats["kv_used_tokens"] == 0 and stats["kv_capacity_tokens"] == 2048
+        assert stats["recent_ttft_ms_p90"] > 0 and stats["recent_tpot_ms_p90"] > 0  # from r1's finished run
+        scaling = serve.get_deployment_handle("online", "engine-test").record_autoscaling_stats.remote().result()
+        assert all(isinstance(v, float) for v in scaling.values()) and scaling["kv_capacity_tokens"] == 2048.0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    records = {r.request_id: r for r in read_feedback(feedback / "feedback")}
+    assert records["r1"].output_tokens == items[-1]["completion_tokens"] and records["r1"].predictor_version == "7"
+    assert records["r3"].finish_reason == "abort"

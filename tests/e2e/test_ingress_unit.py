@@ -1,0 +1,224 @@
+"""The ingress's parts without a cluster (but with Ray Serve imported: the ingress module and its
+error types): the predictor timeout fallback, the prediction-accuracy window, requeueing, the flex
+gate. SSE and completion shapes and the app config need no Ray: tests/unit/test_chat_shapes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.config import AppConfig
+from app.engine.request import Prediction
+from deployments.chat import ChatResult
+from deployments.engine_server import PredictionWindow
+from deployments.pool_gate import PoolGate
+from predictor.buckets import LengthBuckets
+
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # imports Ray Serve, starts nothing
+
+
+def _item(text: str, n: int, finished: bool = False, reason: str | None = None) -> dict:
+    return {"text": text, "completion_tokens": n, "prompt_tokens": 7, "finished": finished, "finish_reason": reason}
+
+
+class _SlowResponse:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self):
+        return asyncio.sleep(3600).__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.fallbacks: list[str] = []
+
+    def fallback(self, tier: str) -> None:
+        self.fallbacks.append(tier)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")  # Serve's wrapper, never started
+def test_a_slow_predictor_falls_back_to_max_and_is_counted():
+    from deployments.ingress import Ingress
+
+    response = _SlowResponse()
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "predictor": {"timeout_ms": 20}})
+    ingress.metrics, ingress.predictor_fallbacks = _Metrics(), 0
+    assert asyncio.run(ingress._predict(response, "online")) is None
+    assert response.cancelled and ingress.predictor_fallbacks == 1 and ingress.metrics.fallbacks == ["online"]
+
+
+def test_prediction_window_counts_natural_finishes_only():
+    window = PredictionWindow(LengthBuckets(max_tokens=100, num_buckets=10))
+    assert window.rates() is None
+    predicted = Prediction(bucket=0, bound_tokens=10)
+    window.add(predicted, 8, "stop")  # right bucket, bound held
+    window.add(predicted, 25, "stop")  # two buckets off, bound broken
+    window.add(predicted, 100, "length")  # cut off: unknown true length, skipped
+    window.add(None, 5, "stop")  # fallback: nothing predicted
+    assert window.rates() == (0.5, 0.5)
+
+
+class _Stream:
+    """A streaming handle response: raises ``error`` at the first item, else yields ``items``."""
+
+    def __init__(self, items: list[dict], error: Exception | None = None, fail_after: Exception | None = None) -> None:
+        self.items, self.error, self.fail_after, self.cancelled = list(items), error, fail_after, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        if not self.items:
+            raise self.fail_after or StopAsyncIteration()
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Pool:
+    """A pool handle whose successive calls return the given streams."""
+
+    def __init__(self, streams: list[_Stream]) -> None:
+        self.streams, self.calls, self.requests = list(streams), 0, []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request: dict) -> _Stream:
+        self.calls += 1
+        self.requests.append(request)
+        return self.streams.pop(0)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_a_drained_replica_is_requeued_not_lost():
+    """A replica removed by a scale-down (or dead) before the first token: the request goes to the
+    pool again; after REQUEUE_ATTEMPTS losses the client gets a retryable 503."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from app.api import errors
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import REQUEUE_ATTEMPTS, Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    lost = [_Stream([], ActorDiedError()), _Stream([], ActorUnavailableError("draining", None))]
+    ok = _Stream([_item("hi", 1, True, "stop")])
+    ingress.pools = {"offline": _Pool([*lost, ok])}
+    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY", "RUNNING": 1}}, "offline")
+    stream, first = asyncio.run(ingress._start(GenerateRequest(), "offline"))
+    assert stream is ok and first["text"] == "hi" and ingress.pools["offline"].calls == 3
+    assert all(s.cancelled for s in lost)
+    ingress.pools = {"offline": _Pool([_Stream([], ActorDiedError()) for _ in range(REQUEUE_ATTEMPTS)])}
+    with pytest.raises(errors.APIError) as err:
+        asyncio.run(ingress._start(GenerateRequest(), "offline"))
+    assert err.value.status_code == 503
+
+
+def test_flex_waits_while_the_offline_pool_is_at_zero():
+    """Nothing reaches the offline handle (where Serve's cold-start rule would wake the pool) until
+    the autoscaler has the pool up again; meanwhile the call is counted as held."""
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    states = {"offline": {"status": "DOWNSCALING", "STOPPING": 1}}
+    ingress.offline_gate = PoolGate(lambda: states, "offline", poll_s=0.01)
+    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
+
+    async def scenario():
+        call = asyncio.ensure_future(ingress._start(request, "offline"))
+        await asyncio.sleep(0.1)
+        assert ingress.pools["offline"].calls == 0 and not call.done()
+        assert ingress.record_autoscaling_stats() == {"held_requests": 1.0, "held_tokens": 43.0}
+        states["offline"] = {"status": "UPSCALING", "STARTING": 1}
+        _, first = await asyncio.wait_for(call, 30)  # a hang guard, not a speed claim
+        assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
+        assert ingress.record_autoscaling_stats()["held_requests"] == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_flex_past_the_held_limit_gets_a_429_with_retry_after():
+    from app.api import errors
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": {"flex_max_held": 1}})
+    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY"}}, "offline", poll_s=0.01)  # at zero
+    ingress.offline_gate.held_requests = 1  # one call already waits
+    ingress.pools = {"offline": _Pool([])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
+    with pytest.raises(errors.APIError) as err:
+        asyncio.run(ingress._start(request, "offline"))
+    assert err.value.status_code == 429 and err.value.headers == {"Retry-After": "2"}
+    assert ingress.pools["offline"].calls == 0 and ingress.offline_gate.held_requests == 1
+    # a resumed answer (or a requeue) already holds its slot: it waits its turn, it is not refused
+    ingress.config.ingress.flex_max_wait_s = 0.05
+    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
+    _, first = asyncio.run(ingress._start(request, "offline", new=False))
+    assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
+
+
+def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:
+    return {**_item(text, n, finished, "length" if finished else None), "token_ids": [token]}
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
+    """The stream goes on where it stopped: the next replica gets the tokens so far and how much text
+    the client has; the client sees every character once and usage counts all tokens."""
+    from ray.exceptions import ActorDiedError
+
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    class Metrics:
+        resumes = 0
+
+        def resumed(self, tier: str) -> None:
+            Metrics.resumes += 1
+
+        def finished(self, *_) -> None:
+            pass
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    ingress.metrics = Metrics()
+    broken = _Stream([_token_item("Hel", 1, 11), _token_item("lo", 2, 12)], fail_after=ActorDiedError())
+    rest = _Stream([_token_item(" wor", 3, 13), _token_item("ld", 4, 14, finished=True)])
+    ingress.pools = {"online": _Pool([rest])}
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=4))
+
+    async def go():
+        first = await broken.__anext__()
+        result = ChatResult(request.request_id, "m", "online", 0.0, first)
+        events = [e async for e in ingress._stream_events(ingress._answer(request, "online", broken, result), result, True)]
+        return result, events
+
+    result, events = asyncio.run(go())
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]\n\n" and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello world"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and result.token_ids == [11, 12, 13, 14]
+    resumed = ingress.pools["online"].requests[0]
+    assert resumed["resume_output_token_ids"] == [11, 12] and resumed["resume_emitted_chars"] == 5
+    assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["request_id"] == request.request_id
+    assert broken.cancelled and not rest.cancelled and Metrics.resumes == 1

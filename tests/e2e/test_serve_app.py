@@ -1,0 +1,299 @@
+"""The whole Serve app on a real local Ray cluster and the real model, through HTTP and the official
+``openai`` client: chat (streaming and not), error codes and shapes, API keys, a client that walks
+away, the queue limit, the live retraining loop's hot swap and a killed replica. One app for the
+module (startup is the expensive part); tests run in file order and share it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from app import paths
+from app.config import DEFAULT_CONFIG_PATH
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+KEY = "sk-test-key"
+SUMS = [f"What is {a} plus {b}? Reply with the number only." for a, b in
+        [(2, 3), (7, 8), (10, 5), (4, 4), (6, 9), (12, 1), (3, 3), (9, 9), (5, 6), (8, 2), (11, 4), (13, 7), (1, 9), (6, 6)]]
+
+
+def _config(tmp: Path) -> Path:
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    entry = data["applications"][0]
+    args = entry["args"]
+    args["ingress"].update(api_keys=[KEY], max_body_bytes=64 * 1024)
+    for pool in ("online", "offline"):  # online's pool is smaller than the context: the engine's own 400
+        args["pools"][pool].update(kv_cache_tokens=1536 if pool == "online" else 2048, torch_threads=1)
+    args["predictor"].update(poll_s=1, timeout_ms=5000)
+    args["predictor"]["retrain"].update(every_records=12, min_records=12, holdout_frac=0.5, original_examples=0,
+                                        epochs=1, gate=False, num_cpus=0.25)
+    for d in entry["deployments"]:
+        if d["name"] == "online":
+            d.update(max_ongoing_requests=3, max_queued_requests=1, health_check_period_s=1)
+    path = tmp / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    from app.cli.serve import _stop, free_port, start
+    from predictor import registry
+    from predictor.training.pipeline import train_and_register
+    from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN
+
+    tmp = tmp_path_factory.mktemp("serve")
+    home = tmp / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FORESERVE_HOME", str(home))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mp.delenv("FORESERVE_API_KEYS", raising=False)
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)  # a tiny champion: version 1
+    assert registry.champion_version() == "1"
+    port = free_port()
+    try:
+        url, took_s, _ = start(str(_config(tmp)), port=port)
+        yield {"url": url, "home": home, "startup_s": took_s}
+    finally:
+        _stop()
+        mp.undo()
+
+
+def _client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _handle(name: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, "foreserve")
+
+
+def _feedback(served) -> list:
+    from predictor.feedback import read_feedback
+
+    return read_feedback(served["home"] / "feedback")
+
+
+def test_models_health_and_chat(served):
+    client = _client(served)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    health = httpx.get(served["url"] + "/health").json()
+    assert health["status"] == "ok" and health["predictor"]["version"] == "1" and set(health["pools"]) == {"online", "offline"}
+    assert set(health["replicas"]) == {"online", "offline"} and health["replicas"]["online"] >= 1
+
+    raw = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[0]}], max_tokens=16, temperature=0)
+    reply = raw.parse()
+    assert raw.headers["x-foreserve-predictor-version"] == "1" and raw.headers["x-foreserve-pool"] == "online"
+    assert 1 <= int(raw.headers["x-foreserve-predicted-tokens"]) <= 16
+    assert reply.choices[0].message.content.strip() and reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 16 and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[0]}], max_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content  # greedy: the stream says exactly what the answer said
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+    flex = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[1]}], max_tokens=8, service_tier="flex")
+    assert flex.headers["x-foreserve-pool"] == "offline" and flex.parse().service_tier == "flex"
+
+
+BAD = [  # (what, body or raw bytes, status, param)
+    ("malformed json", b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("n > 1", {"n": 2}, 400, "n"),
+    ("max_tokens 0", {"max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens past the context", {"max_tokens": 5000}, 400, "max_tokens"),
+    ("prompt longer than the context", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
+    ("temperature 3", {"temperature": 3}, 400, "temperature"),
+    ("top_p 0", {"top_p": 0}, 400, "top_p"),
+    ("unknown model", {"model": "gpt-17"}, 404, "model"),
+    ("body too large", {"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, None),
+    ("kv pool too small", {"max_tokens": 1600}, 400, "max_tokens"),
+    ("json nested too deep", b"[" * 5000, 400, None),
+    ("seed past int64", {"seed": 2**64}, 400, "seed"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_errors(served, what, body, status, param):
+    if isinstance(body, dict):
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], **body}).encode()
+    r = httpx.post(served["url"] + "/v1/chat/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_api_keys_and_unknown_routes(served):
+    url = served["url"]
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+    wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    missing = httpx.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    bad_query = httpx.get(url + "/v1/batches?limit=abc", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad_query.status_code == 400 and bad_query.json()["error"]["param"] == "limit"
+
+
+def test_extreme_sampling_values_do_not_crash_the_engine(served):
+    """1e-50 passes the API's bounds but is 0 in float32: the engine must answer, and keep answering."""
+    for extreme in ({"temperature": 1e-50}, {"top_p": 1e-50}, {"seed": 2**63 - 1}):
+        r = httpx.post(served["url"] + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 2, **extreme})
+        assert r.status_code == 200, (extreme, r.text)
+
+
+def _online_stats() -> dict:
+    return _handle("online").stats.remote().result()
+
+
+def test_client_walking_away_frees_its_blocks(served):
+    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]}
+    with httpx.stream("POST", served["url"] + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        request_id = r.headers["x-foreserve-request-id"]
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert _online_stats()["kv_used_tokens"] > 0
+    deadline = time.monotonic() + 30
+    while (stats := _online_stats())["kv_used_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats["kv_used_tokens"] == 0 and stats["num_running"] == 0
+    deadline = time.monotonic() + 10
+    while not (records := [f for f in _feedback(served) if f.request_id == request_id]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert records[0].finish_reason == "abort" and records[0].output_tokens < 400
+
+
+def test_queue_limit_is_429_and_nothing_half_accepted(served):
+    before = {f.request_id for f in _feedback(served)}
+
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Count from 1 to 20, attempt {i}."}]}
+        return await client.post("/v1/chat/completions", json=body)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=served["url"], timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(10)))
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429}, codes  # 3 running + 1 queued at most, the rest turned away
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "2" and r.json()["error"]["type"] == "rate_limit_error"
+    ok = [r.json()["id"] for r in responses if r.status_code == 200]
+    time.sleep(1)
+    after = [f for f in _feedback(served) if f.request_id not in before]  # one file per replica process
+    assert sorted(f.request_id for f in after if f.request_id in ok) == sorted(ok) and len(after) == len(ok)
+
+
+def test_feedback_retrains_and_the_new_champion_serves(served):
+    client = _client(served)
+    version = None
+    for prompt in SUMS:  # short answers that end by EOS: usable labels
+        raw = client.chat.completions.with_raw_response.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0)
+        version = raw.headers["x-foreserve-predictor-version"]
+    deadline = time.monotonic() + 240
+    while version == "1" and time.monotonic() < deadline:
+        time.sleep(2)
+        raw = client.chat.completions.with_raw_response.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[0]}], max_tokens=4)
+        version = raw.headers["x-foreserve-predictor-version"]
+    info = _handle("predictor").info.remote().result()
+    assert version == "2", info
+    assert info["swaps"] >= 1 and info["last_retrain"]["promoted"] and info["last_retrain"]["version"] == "2"
+    from mlflow import MlflowClient
+
+    assert MlflowClient().get_model_version("length-predictor", "2").tags["source"] == "feedback"
+
+
+def test_batch_api_through_the_openai_client(served):
+    """OpenAI's Files + Batch API: a job on the app's offline pool, one output line per input line
+    (a bad line answered with an error), feedback from its rows, 4xx for bad calls."""
+    import openai
+
+    client = _client(served)
+    lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0,
+                                  "messages": [{"role": "user", "content": q}]}}) for i, q in enumerate(SUMS[:4])]
+    lines.insert(2, json.dumps({"method": "POST", "body": {"messages": [{"role": "user", "content": "no id"}]}}))
+    before = {f.request_id for f in _feedback(served)}
+    file = client.files.create(file=("sums.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    assert file.bytes > 0 and file.purpose == "batch"
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"suite": "serve"})
+    assert batch.status == "validating" and batch.metadata == {"suite": "serve"}
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == ["b0", "b1", None, "b2", "b3"]
+    assert "line 3: missing custom_id" in out[2]["error"]["message"]
+    for x, (a, b) in zip([o for o in out if o["error"] is None], [(2, 3), (7, 8), (10, 5), (4, 4)]):
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == x["output_tokens"] <= 12
+        assert body["choices"][0]["message"]["content"].strip()
+    offline = [f for f in _feedback(served) if f.request_id not in before and f.tier == "offline"]
+    assert len(offline) == 4  # batch rows are labels for retraining, like online requests
+    assert client.files.content(file.id).text.splitlines() == lines
+    assert [b.id for b in client.batches.list().data] == [batch.id]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_a_killed_replica_is_replaced(served):
+    import ray
+
+    replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "#online#" in a["name"] and a["name"].startswith("SERVE_REPLICA"))
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    client = _client(served)
+    deadline, statuses = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        try:
+            reply = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[2]}], max_tokens=8)
+            statuses.append(200)
+            if reply.choices[0].message.content:
+                break
+        except Exception as exc:  # noqa: BLE001 - while Serve replaces the replica
+            statuses.append(getattr(exc, "status_code", None))
+            time.sleep(1)
+    assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses

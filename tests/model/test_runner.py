@@ -1,0 +1,192 @@
+"""HFRunner against Hugging Face generate, driven by a tiny stand-in engine (tests/runner_helpers.py).
+
+Every test here loads SmolLM2-135M (the ``model`` marker, applied by tests/model/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.config import EngineConfig
+from app.engine.outputs import ScheduledChunk, SchedulerOutput
+from app.engine.request import SamplingParams
+from tests.runner_helpers import BLOCK, GREEDY, NEW_TOKENS, QUESTIONS, Seq, play_engine
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from app.engine.model.hf_runner import HFRunner
+
+    # NOTE: one intra-op thread: these batches are tiny, and a second OpenMP thread stalls badly
+    # when other processes share the cores. torch's thread count is process-wide: restore it.
+    threads = torch.get_num_threads()
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
+    r = HFRunner(config, config.kv_pool_blocks(1))
+    yield r
+    r.shutdown()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(runner) -> list[list[int]]:
+    out = []
+    for q in QUESTIONS:
+        ids = runner.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' own model and generate: the reference (the runner loads foreserve's Llama modules)."""
+    from transformers import AutoModelForCausalLM
+
+    from app.paths import model_dir
+
+    return AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(runner, prompts, hf_model) -> list[list[int]]:
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, pad_token_id=runner.eos_token_id)
+            refs.append(gen[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.mark.model
+def test_kv_bytes_per_token():
+    from transformers import AutoConfig
+
+    from app.engine.model.hf_runner import HFRunner
+    from app.paths import model_dir
+
+    hf = AutoConfig.from_pretrained(model_dir())
+    assert HFRunner.kv_bytes_per_token(hf, "float32") == 2 * 30 * 3 * 64 * 4
+    assert HFRunner.kv_bytes_per_token(hf, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+
+
+@pytest.mark.model
+def test_runner_loads_foreserve_llama_by_default_and_transformers_on_request(runner, prompts, reference):
+    from app.engine.model.llama import LlamaForCausalLM
+    from app.engine.model.hf_runner import HFRunner
+
+    assert type(runner.model) is LlamaForCausalLM
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight  # tied, as in the checkpoint
+    config = EngineConfig(kv_cache_tokens=512, block_size_tokens=BLOCK, torch_threads=1, model_impl="transformers")
+    hf_runner = HFRunner(config, config.kv_pool_blocks(1))
+    assert type(hf_runner.model).__module__.startswith("transformers.")
+    got = play_engine(hf_runner, [Seq("t", prompts[0], GREEDY)])
+    assert got["t"] == reference[0]
+
+
+@pytest.mark.model
+def test_runner_shapes(runner):
+    assert runner.k_cache.shape == (30, runner.num_blocks, BLOCK, 3, 64)
+    assert (runner.num_heads, runner.num_kv_heads) == (9, 3)
+    assert runner.eos_token_id == 2
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("i", range(len(QUESTIONS)))
+def test_greedy_alone_matches_generate(runner, prompts, reference, i):
+    out = play_engine(runner, [Seq("a", prompts[i], GREEDY)])
+    assert out["a"] == reference[i]
+    assert len(reference[i]) >= 5
+
+
+@pytest.mark.model
+def test_greedy_mixed_batch_matches_generate(runner, prompts, reference):
+    seqs = [
+        Seq("b", prompts[1], GREEDY),  # whole-prompt prefill, then decodes while "a" prefills
+        Seq("c", prompts[2], GREEDY, chunk_tokens=13),
+        Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3),  # chunked, starts late
+    ]
+    out = play_engine(runner, seqs)
+    assert [out["a"], out["b"], out["c"]] == reference
+
+
+@pytest.fixture(scope="module")
+def gather_runner(runner):
+    """Decode attention by gather + SDPA (the path where the C++ kernel is off or cannot be built)."""
+    from app.engine.model.hf_runner import HFRunner
+
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, cpu_paged_attention=False)
+    return HFRunner(config, config.kv_pool_blocks(1))
+
+
+@pytest.mark.model
+def test_runner_decodes_with_the_paged_kernel_unless_told_not_to(runner, gather_runner):
+    assert runner.paged_decode is not None  # built here (tests/test_cpu_kernels.py checks it alone)
+    assert gather_runner.paged_decode is None
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("path", ["paged_kernel", "gather"])
+def test_greedy_in_several_decode_groups_matches_generate(runner, gather_runner, prompts, reference, path):
+    """18 sequences, staggered so their contexts differ: decode rows sorted by context and cut into
+    groups (each its own padded gather and SDPA), or all read from the pool by the kernel; every
+    sequence still matches generate."""
+    seqs = [Seq(f"{i}-{k}", prompts[i], GREEDY, start_step=k) for k in range(6) for i in range(3)]
+    out = play_engine(runner if path == "paged_kernel" else gather_runner, seqs)
+    assert all(out[f"{i}-{k}"] == reference[i] for k in range(6) for i in range(3))
+
+
+@pytest.mark.model
+def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, reference):
+    """kv_cache_dtype bfloat16 under float32 weights: half the KV bytes per token; greedy answers
+    (mixed prefill and decode) start as those of float32 generate on these prompts.
+
+    NOTE: a bf16 cache is lossy, so a near-tie between two tokens may flip late in an answer, and
+    where depends on the CPU's kernels: on an AVX512-BF16 machine one of the three answers
+    turned at its 21st token of 24. The first 16 tokens of every answer must agree."""
+    from transformers import AutoConfig
+
+    from app.engine.model.hf_runner import HFRunner
+
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, kv_cache_dtype="bfloat16")
+    hf = AutoConfig.from_pretrained(config.model_path)
+    assert HFRunner.kv_bytes_per_token(hf, config.cache_dtype) * 2 == HFRunner.kv_bytes_per_token(hf, "float32")
+    r = HFRunner(config, config.kv_pool_blocks(1))
+    assert r.k_cache.dtype == torch.bfloat16 and next(r.model.parameters()).dtype == torch.float32
+    assert r.paged_decode is not None  # the kernel reads bfloat16 K/V too
+    seqs = [Seq("b", prompts[1], GREEDY), Seq("c", prompts[2], GREEDY, chunk_tokens=13),
+            Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3)]
+    out = play_engine(r, seqs)
+    answers = [out["a"], out["b"], out["c"]]
+    assert [len(a) for a in answers] == [len(a) for a in reference]
+    assert [a[:16] for a in answers] == [a[:16] for a in reference]
+
+
+@pytest.mark.model
+def test_seeded_sampling_reproducible_and_top_k1_is_greedy(runner, prompts, reference):
+    hot = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=NEW_TOKENS)
+    first = play_engine(runner, [Seq("s", prompts[1], hot)])["s"]
+    # same seed, batched with other work and a different request id: same tokens
+    again = play_engine(runner, [Seq("g", prompts[0], GREEDY), Seq("s2", prompts[1], hot, chunk_tokens=9)])["s2"]
+    assert first == again
+    other = play_engine(runner, [Seq("s", prompts[1], hot.model_copy(update={"seed": 99}))])["s"]
+    assert other != first
+    top1 = SamplingParams(temperature=0.7, top_k=1, seed=5, max_tokens=NEW_TOKENS)
+    assert play_engine(runner, [Seq("k", prompts[2], top1)])["k"] == reference[2]
+
+
+@pytest.mark.model
+def test_rejects_chunk_beyond_block_table(runner):
+    chunk = ScheduledChunk("x", list(range(10, 30)), 0, [0], True, GREEDY, 0)
+    with pytest.raises(ValueError, match="exceed"):
+        runner.execute(SchedulerOutput([chunk]))
+
+
+@pytest.mark.model
+def test_runner_prepacks_every_linear_unless_told_not_to(runner):
+    from app.engine.model.hf_runner import HFRunner
+
+    assert len(runner.packed) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
+    plain = HFRunner(EngineConfig(kv_cache_tokens=64, block_size_tokens=BLOCK, cpu_prepacked_linears=False), 4)
+    assert plain.packed == {}

@@ -1,0 +1,74 @@
+"""The stand-in engine that drives a model runner step by step (tests/model/test_runner.py,
+tests/e2e/test_tp.py): sequences, their chunks, and a loop that samples until EOS or a limit."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from app.engine.kv.pool import KVPool
+from app.engine.outputs import ScheduledChunk, SchedulerOutput
+from app.engine.request import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BLOCK = 16
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
+]
+
+
+@dataclass
+class Seq:
+    """One sequence as the stand-in engine sees it."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    chunk_tokens: int = 10_000  # prefill chunk size
+    start_step: int = 0  # step at which it is admitted
+    blocks: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
+    computed: int = 0
+    done: bool = False
+
+    def next_chunk(self) -> ScheduledChunk:
+        tokens = self.prompt + self.out
+        if self.computed < len(self.prompt):
+            ids = self.prompt[self.computed : self.computed + self.chunk_tokens]
+        else:
+            ids = tokens[self.computed :]
+        sample = self.computed + len(ids) == len(tokens)
+        return ScheduledChunk(self.rid, ids, self.computed, self.blocks, sample, self.sampling, len(self.out))
+
+
+def play_engine(runner, seqs: list[Seq], max_new: int = NEW_TOKENS) -> dict[str, list[int]]:
+    """Schedule chunks step by step, append sampled tokens, stop at EOS or ``max_new``."""
+    pool = KVPool(runner.num_blocks, BLOCK)
+    finished: list[str] = []
+    step = 0
+    while not all(s.done for s in seqs):
+        live = [s for s in seqs if not s.done and s.start_step <= step]
+        for s in live:
+            if not s.blocks:
+                s.blocks = pool.allocate(pool.blocks_for(len(s.prompt) + max_new))
+        chunks = [s.next_chunk() for s in live]
+        result = runner.execute(SchedulerOutput(chunks, finished_request_ids=finished))
+        finished = []
+        assert set(result.sampled_token_ids) == {c.request_id for c in chunks if c.sample}
+        for s, c in zip(live, chunks):
+            s.computed += len(c.token_ids)
+            if c.sample:
+                tok = result.sampled_token_ids[s.rid]
+                s.out.append(tok)
+                if tok == runner.eos_token_id or len(s.out) == max_new:
+                    s.done = True
+                    pool.free(s.blocks)
+                    finished.append(s.rid)
+        step += 1
+    assert pool.num_free_blocks == pool.num_blocks
+    return {s.rid: s.out for s in seqs}

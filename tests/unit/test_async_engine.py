@@ -1,0 +1,72 @@
+"""The async streaming interface on the fake runner."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.engine.async_engine import AsyncLLMEngine
+from app.engine.engine import RequestRejected
+from app.engine.request import EngineRequest, Prediction, SamplingParams
+from tests.engine_helpers import make_engine
+
+
+def request(n_prompt: int, max_tokens: int) -> dict:
+    return dict(
+        prompt_token_ids=[5] * n_prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        prediction=Prediction(bucket=0, bound_tokens=max_tokens),
+    )
+
+
+@pytest.fixture
+def aengine():
+    engine = AsyncLLMEngine(make_engine("paged", step_s=0.0))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(aengine, rid, **req):
+    return [out async for out in aengine.generate(EngineRequest(request_id=rid, **req))]
+
+
+async def test_concurrent_streams_each_get_their_tokens(aengine):
+    results = await asyncio.gather(*(collect(aengine, f"r{i}", **request(5, 10 + i)) for i in range(4)))
+    for i, outs in enumerate(results):
+        assert len(outs) == 10 + i
+        assert [o.num_output_tokens for o in outs] == list(range(1, 11 + i))
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert aengine.engine.pool.num_used_blocks == 0
+
+
+async def test_abandoned_stream_aborts_and_frees_blocks(aengine):
+    agen = aengine.generate(EngineRequest(request_id="x", **request(5, 80)))
+    first = await agen.__anext__()
+    assert first.num_output_tokens == 1
+    await agen.aclose()  # what a client disconnect does to the stream
+    for _ in range(100):
+        if not aengine.engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.01)
+    assert not aengine.engine.has_unfinished_requests()
+    assert aengine.engine.pool.num_used_blocks == 0
+
+
+async def test_rejected_request_raises_to_the_caller(aengine):
+    with pytest.raises(RequestRejected):
+        await collect(aengine, "big", **request(200, 100))
+    assert aengine.healthy
+
+
+async def test_a_duplicate_id_is_refused_and_the_first_stream_keeps_its_tokens(aengine):
+    first = aengine.generate(EngineRequest(request_id="dup", **request(5, 30)))
+    assert (await first.__anext__()).num_output_tokens == 1
+    with pytest.raises(ValueError, match="duplicate request id 'dup'"):
+        await collect(aengine, "dup", **request(5, 3))
+    async def drain():
+        return [out async for out in first]
+
+    rest = await asyncio.wait_for(drain(), timeout=30)  # before the fix the refused caller dropped this stream
+    assert rest[-1].finished and rest[-1].num_output_tokens == 30
+    assert aengine.engine.pool.num_used_blocks == 0

@@ -1,0 +1,31 @@
+"""The benchmark CLI: bad input is a message, not a traceback (runs on the traces: tests/model/test_bench_traces.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "throughput", "--policies", "reserve_everything"], "unknown policy"),
+        (["bench", "throughput", "--requests", "0"], "--requests must be >= 1"),
+        (["bench", "throughput", "--sim", "H100-80G:llama-3-70b", "--policies", "hf_static"], "hf_* peers"),
+        (["bench", "throughput", "--sim", "TPU:llama-3-70b", "--tp", "2", "--policies", "paged"], "TPU"),
+    ],
+)
+def test_cli_rejects_bad_input_with_a_message(args, message):
+    proc = subprocess.run([sys.executable, "-m", "app.cli.main", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_lists_commands():
+    proc = subprocess.run([sys.executable, "-m", "app.cli.main", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for word in ("prepare", "bench", "generate"):
+        assert word in proc.stdout

@@ -1,0 +1,92 @@
+"""The engine's narrow API: one typed request in, one place that ends requests, an injected clock,
+a state for preempted requests, and trace replay kept out of the engine (ReplayRunner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.clock import ModelledClock, WallClock
+from app.engine.request import EngineRequest, Prediction, RequestStatus, SamplingParams
+from app.engine.sim.replay import REPLAY_EOS, ReplayRunner
+from tests.engine_helpers import add, make_engine, run_all
+from tests.fake_runner import EOS, FakeRunner
+
+
+def test_a_preempted_request_says_so_until_it_is_admitted_again():
+    engine = make_engine("paged", kv_tokens=64)  # 4 blocks; both need 50 tokens
+    add(engine, "a", 10, 40)
+    b = add(engine, "b", 10, 40)
+    seen: list[RequestStatus] = []
+    run_all(engine, on_step=lambda e: seen.append(b.status))
+    assert RequestStatus.PREEMPTED in seen and b.num_preemptions >= 1
+    first = seen.index(RequestStatus.PREEMPTED)
+    assert RequestStatus.RUNNING in seen[first:]  # re-admitted after it
+    assert b.status is RequestStatus.FINISHED_LENGTH and b.finish_reason == "length"
+
+
+def test_abort_of_a_preempted_request_frees_nothing_twice():
+    engine = make_engine("paged", kv_tokens=64)
+    add(engine, "a", 10, 40)
+    b = add(engine, "b", 10, 40)
+    while b.status is not RequestStatus.PREEMPTED:
+        engine.step()
+    assert engine.abort("b") and b.finish_reason == "abort"
+    run_all(engine)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_eos_ends_a_request_unless_ignored_and_max_tokens_ends_it_as_length():
+    engine = make_engine(kv_tokens=512, eos_at={"eos": 3, "ign": 3})
+    for rid, ignore in (("eos", False), ("ign", True)):
+        engine.add_request(EngineRequest(prompt_token_ids=[5] * 4, request_id=rid,
+                                         sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=ignore)))
+    outputs = run_all(engine)
+    assert [len(outputs["eos"]), outputs["eos"][-1].finish_reason, outputs["eos"][-1].new_token_ids] == [3, "stop", [EOS]]
+    assert [len(outputs["ign"]), outputs["ign"][-1].finish_reason] == [6, "length"]
+
+
+def test_replay_ends_each_request_at_its_recorded_length_and_never_before():
+    inner = FakeRunner(16, eos_at={"early": 2})  # the fake model would stop "early" at 2 tokens
+    engine = make_engine(kv_tokens=512)
+    engine.runner = runner = ReplayRunner(inner, {"early": 9, "replayed": 5})
+    for rid in ("early", "replayed", "free"):
+        engine.add_request(EngineRequest(prompt_token_ids=[5] * 4, request_id=rid,
+                                         sampling=SamplingParams(max_tokens=12, temperature=0.0)))
+    outputs = run_all(engine)
+    assert {rid: len(outs) for rid, outs in outputs.items()} == {"early": 9, "replayed": 5, "free": 12}
+    tokens = [o.new_token_ids[0] for o in outputs["early"]]
+    assert tokens[-1] == EOS and EOS not in tokens[:-1]  # its own early EOS was replaced
+    assert outputs["early"][-1].finish_reason == "stop" and outputs["free"][-1].finish_reason == "length"
+    assert runner.steps is inner.steps  # the wrapped runner's attributes show through
+
+
+def test_replay_gives_a_runner_without_eos_one():
+    class NoEos(FakeRunner):
+        eos_token_id = None
+
+    runner = ReplayRunner(NoEos(16), {"r": 3})
+    assert runner.eos_token_id == REPLAY_EOS
+
+
+def test_the_engine_keeps_no_time_of_its_own():
+    engine = make_engine(step_s=0.25)
+    assert isinstance(engine.clock, ModelledClock) and engine.clock() == 0.0
+    add(engine, "a", 4, 3)
+    run_all(engine)
+    assert engine.clock() == pytest.approx(0.25 * engine.stats().steps)
+    engine.clock.idle_until(100.0)
+    assert engine.stats().wall_s == 100.0
+    with pytest.raises(RuntimeError, match="modelled"):
+        WallClock().idle_until(1.0)
+
+
+def test_a_given_prediction_travels_whole_and_the_engine_asks_its_predictor_otherwise():
+    engine = make_engine(kv_tokens=512)
+    given = Prediction(bucket=3, probabilities=(0.0, 0.0, 0.0, 1.0), bound_tokens=40, rank_tokens=12.5, version="7")
+    req = engine.add_request(EngineRequest(prompt_token_ids=[5] * 4, request_id="given", prediction=given,
+                                           sampling=SamplingParams(max_tokens=30)))
+    assert req.prediction is given and req.predicted_output_tokens == 30  # clamped to max_tokens
+    own = engine.add_request(EngineRequest(prompt_token_ids=[5] * 4, request_id="own", sampling=SamplingParams(max_tokens=30)))
+    assert own.prediction.version == engine.predictor.version and own.prediction.bound_tokens >= 30  # the max predictor
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request(EngineRequest(request_id="nothing"))

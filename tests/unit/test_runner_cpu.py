@@ -1,0 +1,93 @@
+"""The runner's CPU pieces that need no model: decode groups, the linear fast paths, prepacking,
+and the short-lived build thread (the model-loading runner tests are tests/model/test_runner.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_decode_groups_cover_sorted_rows_in_equal_slices():
+    from app.engine.model.hf_runner import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
+
+    assert decode_groups([]) == []
+    assert decode_groups(list(range(5))) == [(0, 5)]  # too few rows to split
+    assert decode_groups(list(range(2 * DECODE_GROUP_ROWS))) == [(0, DECODE_GROUP_ROWS), (DECODE_GROUP_ROWS, 2 * DECODE_GROUP_ROWS)]
+    groups = decode_groups(list(range(101)))
+    assert len(groups) == MAX_DECODE_GROUPS and groups[0][0] == 0 and groups[-1][1] == 101
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert max(b - a for a, b in groups) - min(b - a for a, b in groups) <= 1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_fast_path_equals_module(rows, bias):
+    from app.engine.model.cpu_linear import linear
+
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(96, 320, bias=bias)
+    x = torch.randn(rows, 96)
+    out = linear(module, x)
+    assert out.shape == (rows, 320) and out.is_contiguous()
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_module(rows, bias):
+    from app.engine.model.cpu_linear import linear, prepack
+
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(96, 320, bias=bias)
+    packed = prepack(module)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert packed is not None
+    x = torch.randn(rows, 96)
+    out = linear(module, x, packed)
+    assert out.shape == (rows, 320) and out.is_contiguous()
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_leaves_what_it_cannot_pack():
+    from app.engine.model.cpu_linear import prepack
+
+    class Scaled(torch.nn.Linear):  # a TP layer's subclass keeps its own forward
+        pass
+
+    assert prepack(Scaled(8, 4)) is None
+    assert prepack(torch.nn.Linear(8, 4).to(torch.bfloat16)) is None
+    assert prepack(torch.nn.LayerNorm(8)) is None
+
+
+def test_linear_leaves_other_modules_to_their_forward():
+    from app.engine.model.cpu_linear import linear
+
+    class Scaled(torch.nn.Linear):  # a subclass (e.g. a TP layer) keeps its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    module = Scaled(8, 4)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(linear(module, x), 2 * torch.nn.functional.linear(x, module.weight, module.bias))
+
+
+def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
+    import threading
+
+    from app.engine.model.hf_runner import on_short_lived_thread
+
+    seen: list[threading.Thread] = []
+
+    def build() -> str:
+        seen.append(threading.current_thread())
+        return "built"
+
+    assert on_short_lived_thread(build) == "built"
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def broken() -> None:
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        on_short_lived_thread(broken)
