@@ -8,7 +8,7 @@ The first engine item is awaited before any byte is sent, so a pool at its queue
 away cancels the handle call, which aborts the request in the engine and frees its KV blocks.
 
 OpenAI's Files and Batch API (``/v1/files``, ``/v1/batches``) run foreserve batch jobs (Ray Jobs on
-Ray Data) through this app's offline pool; see ``app/batch_api.py``.
+Ray Data) through this app's offline pool; see ``app/batch/api.py``.
 """
 
 
@@ -141,7 +141,7 @@ class Ingress:
         self.metrics.status(tier, 200)
         return response
 
-    # -- OpenAI Files and Batch API (app/batch_api.py: batches are foreserve batch jobs) ----------
+    # -- OpenAI Files and Batch API (app/batch/api.py: batches are foreserve batch jobs) ----------
     @app.post("/v1/files")
     async def create_file(self, request: Request) -> dict:
         self._authorize(request)

@@ -4,7 +4,7 @@ WordPiece tokenizer through the ``tokenizers`` library.
 The length predictor loads in every batch job's predictor actor, in the Serve predictor replica
 and in each retraining task; importing transformers' model stack for it took ~1.7 s of a ~3.5 s
 load here, its tokenizer wrapper another ~1.5 s on its own. This module computes what
-``transformers.BertModel`` computes (its ``last_hidden_state``; ``tests/test_predictor_encoder.py``
+``transformers.BertModel`` computes (its ``last_hidden_state``; ``tests/unit/test_predictor_encoder.py``
 checks them equal) with the same parameter names, so saved predictors and the backbone's weights
 load as they are.
 """

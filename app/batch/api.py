@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batch API objects, backed by foreserve batch jobs (``app/jobs.py``).
+"""OpenAI's Files and Batch API objects, backed by foreserve batch jobs (``app/batch/jobs.py``).
 
 Files live under ``<data dir>/batches/files`` (content plus a JSON record); a batch is a Ray Job
 whose id is the batch id and whose output directory is ``<data dir>/batches/<batch id>``. A batch's

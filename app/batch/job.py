@@ -1,6 +1,6 @@
 """The offline batch job: predict every row's output length on Ray Data, order rows by it,
 generate on engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving
-uses), and write OpenAI batch output lines exactly once (``app/batch_io.py``).
+uses), and write OpenAI batch output lines exactly once (``app/batch/io.py``).
 
 Pipeline: the engine actors start loading → input rows through ``PredictStage`` (Ray Data
 ``map_batches`` over one actor, batched MiniLM; it resolves the predictor version once for the job) →
@@ -12,7 +12,7 @@ restarted by Ray and its batch retried: the retry skips rows a part already answ
 be answered twice anyway, ``finalize`` keeps the first answer). A job that is stopped and run again
 with the same output directory skips every line a part already answers.
 
-The actors are in ``app/batch_stages.py``. ``python -m app.batch.job INPUT --output DIR`` is the Ray
+The actors are in ``app/batch/stages.py``. ``python -m app.batch.job INPUT --output DIR`` is the Ray
 Job's entrypoint (``foreserve batch submit``).
 """
 

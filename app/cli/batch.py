@@ -1,4 +1,4 @@
-"""`foreserve batch submit|status|results|cancel`: offline jobs as Ray Jobs (app/jobs.py, app/batch.py)."""
+"""`foreserve batch submit|status|results|cancel`: offline jobs as Ray Jobs (app/batch/jobs.py, app/batch/job.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What one replica can do, measured on the engine's simulator (the real scheduler and KV policies
-over the roofline step-time model of app/engine/sim.py, Pope et al.).
+over the roofline step-time model of app/engine/sim/runner.py, Pope et al.).
 
 - ``simulate_online``: open-loop Poisson arrivals at a rate into one replica with the ``online``
   scheduler; p99 TTFT and TPOT, KV use and throughput in modelled time.

@@ -7,7 +7,7 @@
   load, offline soaks up what online leaves, and both shrink when not needed (GPU-hours count only
   replicas that are up).
 
-One replica's behaviour comes from the engine simulator (autoscale/capacity.py): its SLO capacity
+One replica's behaviour comes from the engine simulator (autoscale/planning/capacity.py): its SLO capacity
 (rate where p99 TTFT/TPOT meet the SLOs), how p99 TTFT grows with load below and above it, and its
 offline tokens/s. Each minute is a fluid step: a pool at load ``rho = rate / (replicas * capacity)``
 has the simulated p99 TTFT at that load; above capacity a queue builds and drains. New replicas

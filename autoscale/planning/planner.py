@@ -1,5 +1,5 @@
 """Capacity planner: TP degree and replicas per pool, and the cost per million tokens, for a model,
-a GPU type and a traffic mix, from the engine's own simulator (autoscale/capacity.py).
+a GPU type and a traffic mix, from the engine's own simulator (autoscale/planning/capacity.py).
 
 For every TP degree the weights fit at (1, 2, 4, 8) and every KV policy (``reserve_predicted``,
 ``reserve_max``, ``paged``), one replica's online capacity (highest Poisson rate whose p99 TTFT and

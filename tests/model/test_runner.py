@@ -122,7 +122,7 @@ def gather_runner(runner):
 
 @pytest.mark.model
 def test_runner_decodes_with_the_paged_kernel_unless_told_not_to(runner, gather_runner):
-    assert runner.paged_decode is not None  # built here (tests/test_cpu_kernels.py checks it alone)
+    assert runner.paged_decode is not None  # built here (tests/unit/test_cpu_kernels.py checks it alone)
     assert gather_runner.paged_decode is None
 
 

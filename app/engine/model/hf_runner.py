@@ -8,7 +8,7 @@ attend through foreserve's C++ kernel, which reads each sequence's blocks in pla
 (``cpu_kernels.py``; float32 weights on a CPU, float32 or bfloat16 KV), or else by gathering the
 blocks and calling SDPA.
 Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
-shards (see ``app/engine/tp.py``), whose row-parallel layers all-reduce inside their forward.
+shards (see ``app/engine/parallel/tp.py``), whose row-parallel layers all-reduce inside their forward.
 """
 
 from __future__ import annotations

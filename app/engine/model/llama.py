@@ -1,7 +1,7 @@
 """A plain-torch Llama for the runner: HF's module and parameter names, loaded straight from safetensors.
 
 The runner only uses a model's modules (embeddings, norms, projections, MLP, rotary embedding;
-``app/engine/runner.py`` has its own forward), so for a plain Llama checkpoint (SmolLM2, Llama 2/3
+``app/engine/model/hf_runner.py`` has its own forward), so for a plain Llama checkpoint (SmolLM2, Llama 2/3
 without RoPE scaling, TinyLlama...) it needs nothing of transformers. Building these modules on the
 meta device and assigning the checkpoint's tensors makes an engine start in ~1.5 s where
 ``AutoModelForCausalLM.from_pretrained`` took 4-4.5 s here (3 s of it importing transformers): a

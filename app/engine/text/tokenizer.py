@@ -3,7 +3,7 @@ and its chat template through a sandboxed jinja2, as transformers' fast tokenize
 
 What the engine, the ingress and the batch stages call (``encode``, ``decode``,
 ``apply_chat_template``, ``eos_token_id``) gives what ``AutoTokenizer`` gives
-(``tests/test_llama.py`` compares them), for ~0.1 s of start-up instead of ~1 s (importing
+(``tests/unit/test_llama.py`` compares them), for ~0.1 s of start-up instead of ~1 s (importing
 transformers, then ``AutoTokenizer``). A folder without ``tokenizer.json`` or with a template that
 needs transformers' extensions gets ``AutoTokenizer`` (``load_tokenizer``).
 """
