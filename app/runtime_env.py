@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.config import EngineConfig
 
 # Every child: the same data dir and registry, an offline hub, quiet tokenizers, no telemetry.
 PROCESS_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
@@ -33,6 +37,13 @@ def process_defaults() -> None:
 def _no_cloudpickle_notes(record: logging.LogRecord) -> bool:
     """MLflow's note that a pyfunc model is pickled with CloudPickle: every registered version logs it."""
     return "CloudPickle" not in record.getMessage()
+
+
+def traced(config: EngineConfig) -> EngineConfig:
+    """``config`` with its step trace on when ``FORESERVE_STEP_TRACE`` names a folder (the switch
+    `foreserve serve` forwards to every replica); the engine itself reads no environment."""
+    folder = os.environ.get("FORESERVE_STEP_TRACE")
+    return config.model_copy(update={"step_trace_dir": folder}) if folder else config
 
 
 def env_vars(names: tuple[str, ...]) -> dict[str, str]:

@@ -11,7 +11,6 @@ KV-aware router and the autoscaling policies need, and refreshes the pool's Prom
 from __future__ import annotations
 
 import collections
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +23,7 @@ from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import LLMEngine, RequestRejected
 from app.engine.request import EngineRequest, Prediction, SamplingParams
-from app.runtime_env import process_defaults
+from app.runtime_env import process_defaults, traced
 from predictor.buckets import LengthBuckets
 
 LATENCY_WINDOW_S = 30.0  # recent_ttft_ms_p90 / recent_tpot_ms_p90 cover requests finished this recently
@@ -76,10 +75,7 @@ class EngineServer:
         process_defaults()  # NOTE: a replica started by `serve run` has none of the CLI's settings
 
         self.pool = pool
-        config = load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine)
-        if os.environ.get("FORESERVE_STEP_TRACE"):  # NOTE: forwarded by `foreserve serve` (app/runtime_env.py)
-            config = config.model_copy(update={"step_trace_dir": os.environ["FORESERVE_STEP_TRACE"]})
-        self.config = config
+        self.config = traced(load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine))
         self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter(paths.feedback_dir()))
         self.aengine = AsyncLLMEngine(self.engine)
         self.window = PredictionWindow(self.engine.buckets)

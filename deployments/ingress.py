@@ -284,7 +284,7 @@ class Ingress:
         headers = {
             "x-foreserve-request-id": request.request_id,
             "x-foreserve-pool": body.pool,
-            "x-foreserve-predictor-version": "max-fallback" if pred is None else str(pred["version"]),
+            "x-foreserve-predictor-version": "max-fallback" if request.prediction is None else request.prediction.version,
             "x-foreserve-predicted-tokens": str(max_tokens if bound is None else bound),
         }
         if body.stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
 def write_json(path: str | None, report: dict, echo: bool = False) -> int:
     """Write ``report`` to ``path`` (parents created) when given; ``echo`` prints it first."""
     text = json.dumps(report, indent=2, default=str)

@@ -25,7 +25,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     turns = args.turns or ("first" if args.quick else "all")
     summary = train_and_register(config, spec, promote=not args.no_promote, turns=turns,
                                  extra_params={"recipe": "quick" if args.quick else "full"}, store=paths.predictor_store())
-    write_json(args.json, echo=True, report=summary)
+    write_json(args.json, summary, echo=True)
     return 0
 
 
@@ -46,7 +46,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     elapsed_s = time.perf_counter() - t0
     metrics.update(version=predictor.version, data=args.data or "sharegpt validation (deduplicated against train)",
                    eval_set_hash=examples_hash(examples), prompts_per_s=round(len(examples) / elapsed_s, 1))
-    write_json(args.json, echo=True, report=metrics)
+    write_json(args.json, metrics, echo=True)
     return 0
 
 
@@ -78,7 +78,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     registry.configure(paths.predictor_store())
     rows = registry.list_versions()
     if args.json:
-        write_json(args.json, echo=True, report={"versions": rows})
+        write_json(args.json, {"versions": rows}, echo=True)
         return 0
     if not rows:
         print("no versions of length-predictor yet: run `foreserve prepare` or `foreserve predictor train`")
@@ -109,17 +109,17 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         "original_examples": args.original_examples}.items() if v is not None}})
     report = retrain_from_feedback(policy, paths.feedback_dir(), force=args.force, promote=not args.no_promote,
                                    store=paths.predictor_store())
-    write_json(args.json, echo=True, report=report)
+    write_json(args.json, report, echo=True)
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
     from predictor.training.collect import collect_feedback
 
-    write_json(args.json, echo=True, report=collect_feedback(
+    write_json(args.json, collect_feedback(
         args.prompts, split=args.split, offset=args.offset, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, torch_threads=args.threads, root=paths.feedback_dir(),
-    ))
+    ), echo=True)
     return 0
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -23,10 +22,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from app.engine.async_engine import AsyncLLMEngine
     from app.engine.engine import LLMEngine
     from app.engine.request import EngineRequest, SamplingParams
+    from app.runtime_env import traced
 
-    config = load_pool_config(args.pool, args.config, tensor_parallel_size=args.tp)
-    if os.environ.get("FORESERVE_STEP_TRACE"):
-        config = config.model_copy(update={"step_trace_dir": os.environ["FORESERVE_STEP_TRACE"]})
+    config = traced(load_pool_config(args.pool, args.config, tensor_parallel_size=args.tp))
     engine = LLMEngine.from_config(config)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False

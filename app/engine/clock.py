@@ -13,8 +13,6 @@ import time
 class WallClock:
     """Seconds since the clock was made, measured."""
 
-    modelled = False
-
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
 
@@ -30,8 +28,6 @@ class WallClock:
 
 class ModelledClock:
     """Seconds of modelled time: moves only by the steps' modelled durations and explicit idling."""
-
-    modelled = True
 
     def __init__(self, start_s: float = 0.0) -> None:
         self.now_s = start_s
