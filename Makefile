@@ -48,7 +48,7 @@ test-unit: install
 	echo "FORESERVE_HOME=$$home FORESERVE_BLOCK_IMPORTS=$(UNIT_HIDDEN) pytest tests/unit" && \
 	env -u MLFLOW_TRACKING_URI FORESERVE_HOME="$$home" FORESERVE_BLOCK_IMPORTS=$(UNIT_HIDDEN) \
 		PYTHONPATH="$(CURDIR)/tests/import_blocker$${PYTHONPATH:+:$$PYTHONPATH}" \
-		$(PY) -m pytest -q -p no:locust tests/unit && \
+		$(PY) -m pytest -q tests/unit && \
 	if [ -n "$$(ls -A "$$home")" ]; then echo "the unit tier wrote into its data dir: $$(ls -A "$$home")"; exit 1; fi
 
 test-fast: test-unit

@@ -28,6 +28,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from app import paths
 from app.api import errors
 from app.api.prompt import chat_prompt
 from app.batch.api import BatchCreate, BatchStore
@@ -84,7 +85,7 @@ class Ingress:
         self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
-        self.batches = BatchStore(app_name=serve.get_replica_context().app_name)
+        self.batches = BatchStore(paths.home() / "batches", app_name=serve.get_replica_context().app_name)
         self.offline_gate = PoolGate(self._replica_states, "offline")
 
     # -- routes ------------------------------------------------------------------------------

@@ -117,10 +117,12 @@ class LengthPredictorServer:
 class RetrainTrigger:
     """Submits one retraining Ray task at a time when new feedback meets the policy."""
 
-    def __init__(self, config: PredictorConfig, store: Store | None = None, feedback_dir: Path | None = None) -> None:
+    def __init__(self, config: PredictorConfig, store: Store | None = None, feedback_dir: Path | None = None,
+                 trace_dir: Path | None = None) -> None:
         self.policy = config.retrain
         self.store = store or paths.predictor_store()
         self.feedback_dir = feedback_dir or paths.feedback_dir()
+        self.trace_dir = trace_dir or paths.traces_dir()
         self.running = None  # ObjectRef of the retraining task in flight
         self.last_summary: dict | None = None
         self.submitted = 0
@@ -152,7 +154,8 @@ class RetrainTrigger:
         reason = retrain_due(self.policy, spec, self.feedback_dir)
         if reason is not None:
             logger.info("retraining the predictor: %s", reason)
-            self.running = submit_retrain(self.policy, self.feedback_dir, store=self.store)
+            self.running = submit_retrain(self.policy, self.feedback_dir, store=self.store, trace_dir=self.trace_dir,
+                                          setup=process_defaults)
             self.submitted += 1
 
     def info(self) -> dict:

@@ -82,7 +82,7 @@ class Service:
     def __init__(self, config: Path | None, log_path: Path, timeout_s: float = 300) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app.cli.main", "serve", "--port", str(self.port), "--no-prepare"]
+        cmd = [sys.executable, "-m", "foreserve.cli.main", "serve", "--port", str(self.port), "--no-prepare"]
         if config:
             cmd += ["--config", str(config)]
         env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}

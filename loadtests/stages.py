@@ -7,7 +7,7 @@ users in closed-loop mode. The locustfile's LoadTestShape and the Poisson dispat
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 TIERS = ("online", "flex")
 

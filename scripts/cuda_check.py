@@ -62,7 +62,7 @@ def main() -> None:
 
     import app.prepare.traces as traces
     traces.ensure_traces = lambda force=False: Path(home) / "traces"  # no ShareGPT package there: the copied trace
-    from app.cli.main import main
+    from foreserve.cli.main import main
     for kv in (16384,):
         main(["bench", "throughput", "--requests", "256", "--max-tokens", "1024", "--kv-tokens", str(kv),
               "--policies", "reserve_max,paged,reserve_predicted,oracle", "--predictor", "oracle",

@@ -197,10 +197,13 @@ def run(train_examples: int = 8000, version: str = "champion", max_tokens: int =
 
     warnings.filterwarnings("ignore", module="sklearn")
     torch.manual_seed(seed)
-    train: list[Example] = training_examples("all")
+    from app.prepare.traces import ensure_traces
+
+    traces = ensure_traces()
+    train: list[Example] = training_examples(traces, "all")
     random.Random(seed).shuffle(train)
     train = train[:train_examples]
-    test = selection_examples()[:selection_limit]
+    test = selection_examples(traces)[:selection_limit]
     buckets = LengthBuckets(max_tokens=1024, num_buckets=10)
     config = {"train_examples": len(train), "selection_examples": len(test), "version": version,
               "max_input_tokens": max_tokens, "seed": seed}

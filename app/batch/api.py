@@ -17,7 +17,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app import paths
 from app.batch import jobs
 from app.api import errors
 from app.batch.io import CHAT_URL, read_status, write_json
@@ -74,8 +73,8 @@ class Batch(BaseModel):
 class BatchStore:
     """Files and batches of one data dir. ``app_name`` is the Serve app whose offline pool runs the jobs."""
 
-    def __init__(self, root: Path | None = None, app_name: str = "foreserve") -> None:
-        self.root = root or paths.home() / "batches"
+    def __init__(self, root: Path, app_name: str = "foreserve") -> None:
+        self.root = root
         self.files = self.root / "files"
         self.files.mkdir(parents=True, exist_ok=True)
         self.app_name = app_name

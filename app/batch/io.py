@@ -9,7 +9,7 @@ Output: every worker appends finished rows to a part file of its own (``parts/``
 ``os.write`` per line, fsync'd: a crash loses at most a partial last line, which readers skip).
 Rows are keyed by their input line number, so a resumed job skips what any part already holds,
 and ``finalize`` writes ``results.jsonl`` with exactly one line per input line, in input order.
-The Ray Data job that fills the parts is ``app/batch/job.py``.
+The Ray Data job that fills the parts is ``foreserve/batch/job.py``.
 """
 
 from __future__ import annotations

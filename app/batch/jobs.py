@@ -4,7 +4,7 @@ The cluster is ``$RAY_API_SERVER_ADDRESS``/``$RAY_ADDRESS`` (a dashboard URL suc
 ``http://head:8265``) when set; else a local cluster that runs already (``foreserve serve`` starts
 one with its dashboard, and a job submitted there uses the app's offline pool); else a new local
 head node (``ray start --head``, which stays up after the command: ``ray stop`` ends it).
-The job's entrypoint is ``python -m app.batch.job`` with this interpreter: a remote cluster needs
+The job's entrypoint is ``python -m foreserve.batch.job`` with this interpreter: a remote cluster needs
 foreserve installed at the same path, and input and output on storage every node sees.
 """
 
@@ -88,7 +88,7 @@ def submit(input_path: str | Path, output: str | Path, job_id: str | None = None
         old = (last.metadata or {}).get("output")
         if old and Path(old) != output:
             raise JobError(f"job {job_id} wrote to {old}; resubmit it with --output {old} to resume")
-    args = [sys.executable, "-m", "app.batch.job", str(input_path), "--output", str(output), "--replicas", str(replicas),
+    args = [sys.executable, "-m", "foreserve.batch.job", str(input_path), "--output", str(output), "--replicas", str(replicas),
             "--tp", str(tp), "--backend", backend, *(["--parquet"] if parquet else []), *(extra_args or [])]
     env = env_vars(JOB_ENV)
     output.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def simulate_day(model: dict, peak_rps: float, offline_tokens_per_day: float, tt
 
     cap, ttft_curve, kv_curve = model["capacity_rps"], model["ttft_p99_ms"], model["kv_util"]
     batch_curve, tp = model["running_batch"], model["tensor_parallel_size"]
-    off_tps, mean_out = model["offline_tokens_per_s"], model["mean_output_tokens"]
+    off_tps = model["offline_tokens_per_s"]
     day = diurnal_rates(peak_rps, trough_frac)
     minutes = len(day)
     rates = np.concatenate([day, day])  # NOTE: day 1 warms up (offline backlog carried over); day 2 counts

@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.engine.sim.profiles import check_tp, kv_budget_bytes_per_rank, parse_sim_spec
-from autoscale.planning.capacity import POLICIES, PoolSpec, Workload, offline_throughput, online_capacity, simulate_online
+from autoscale.planning.capacity import POLICIES, PoolSpec, Workload, online_capacity, simulate_online
 
 # NOTE: assumed on-demand cloud prices (USD per GPU-hour, late 2026); pass --gpu-hour-usd for yours.
 GPU_HOUR_USD = {"A100-80G": 1.8, "H100-80G": 2.5, "H200": 3.2}

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from app import paths
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.clock import ModelledClock
@@ -29,6 +28,7 @@ from app.engine.sim.replay import ReplayRunner
 from app.engine.sim.runner import SimRunner
 from autoscale.planning.capacity import Workload
 from predictor.buckets import LengthBuckets
+from predictor.store import Store
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,17 @@ class Predictions:
     source: str
 
 
-def predict_workload(workload: Workload, predictor_name: str, bound_quantile: float | None = None) -> Predictions:
+def predict_workload(workload: Workload, predictor_name: str, bound_quantile: float | None = None,
+                     store: Store | None = None) -> Predictions:
     """A real predictor (``champion``, a version, a model directory) over the workload's prompts,
-    its bounds at ``bound_quantile`` (None: the version's own)."""
+    its bounds at ``bound_quantile`` (None: the version's own). ``store``: the registry an alias or
+    a version is looked up in (a model directory needs none)."""
     from predictor.loading import load_predictor
 
     if not workload.texts:
         raise ValueError("this workload has no prompt texts (build the traces with `foreserve prepare`)")
     predictor = load_predictor(predictor_name, LengthBuckets(max_tokens=workload.max_tokens), bound_quantile=bound_quantile,
-                               store=paths.predictor_store())
+                               store=store)
     pred = predictor.predict(workload.texts)
     return Predictions(list(pred.buckets), list(pred.bound_tokens), pred.rank_tokens,
                        f"{predictor_name} (version {getattr(predictor, 'version', '?')})")

@@ -60,7 +60,7 @@ def _check_once(results: Path, rows: int) -> dict:
 
 def run_job(jobs, client, source: Path, out: Path, engine: dict, predictor: str, kill_at: int | None = None) -> dict:
     """One job through the Jobs API; with ``kill_at``, SIGKILL its engine actor once that many rows are done."""
-    from app.batch.job import read_status
+    from app.batch.io import read_status
 
     extra = ["--batch-size", "1024", "--predictor", predictor, "--engine-cpus", "1", "--engine", json.dumps(engine)]
     job_id = jobs.submit(source, out, f"bench-{uuid.uuid4().hex[:8]}", backend="actors", extra_args=extra, jobs=client)

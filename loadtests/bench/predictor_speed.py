@@ -24,13 +24,14 @@ def run(version: str = "champion", num_prompts: int = 256, threads: int | None =
     import torch
 
     from app import paths
+    from app.prepare.traces import ensure_traces
     from predictor.loading import load_predictor
     from predictor.training.dataset import trace_examples
 
     if threads:
         torch.set_num_threads(threads)
     predictor = load_predictor(version, store=paths.predictor_store())
-    texts = [e.text for e in trace_examples("validation")[:num_prompts]]
+    texts = [e.text for e in trace_examples(ensure_traces(), "validation")[:num_prompts]]
     predictor.predict(texts[:8])  # warm-up
     return {
         "version": predictor.version,

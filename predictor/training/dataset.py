@@ -29,32 +29,39 @@ class EvalLine(BaseModel):
     output_tokens: int = Field(ge=0, description="True output length in the serving model's tokens.")
 
 
-def trace_examples(split: str) -> list[Example]:
-    """``train``, ``validation`` or ``train_later`` from ``foreserve prepare``'s traces."""
-    from app.prepare.traces import load_trace
-
-    return [Example(r.user, r.output_tokens) for r in load_trace(split)]
+TRACE_SPLITS = ("train", "validation", "train_later")
 
 
-def training_examples(turns: str = "all") -> list[Example]:
+def trace_examples(trace_dir: Path, split: str) -> list[Example]:
+    """``train``, ``validation`` or ``train_later`` from the traces ``foreserve prepare`` builds in
+    ``trace_dir``: ``<split>.jsonl``, one JSON object per line with the ``user`` text and its true
+    ``output_tokens`` (docs/predictor.md)."""
+    if split not in TRACE_SPLITS:
+        raise ValueError(f"unknown trace split {split!r}; choose from {', '.join(TRACE_SPLITS)}")
+    with open(Path(trace_dir) / f"{split}.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Example(r["user"], int(r["output_tokens"])) for r in rows]
+
+
+def training_examples(trace_dir: Path, turns: str = "all") -> list[Example]:
     """The train split's first turns and, with ``turns="all"``, the later turns of the same
     conversations (``train_later``) minus any whose text is also a validation prompt, so that the
     selection set stays unseen."""
     if turns not in ("all", "first"):
         raise ValueError(f"turns is 'all' or 'first', got {turns!r}")
-    first = trace_examples("train")
+    first = trace_examples(trace_dir, "train")
     if turns == "first":
         return first
-    validation = {e.text.strip() for e in trace_examples("validation")}
-    return first + [e for e in trace_examples("train_later") if e.text.strip() not in validation]
+    validation = {e.text.strip() for e in trace_examples(trace_dir, "validation")}
+    return first + [e for e in trace_examples(trace_dir, "train_later") if e.text.strip() not in validation]
 
 
-def selection_examples() -> list[Example]:
+def selection_examples(trace_dir: Path) -> list[Example]:
     """The validation split minus prompts that also occur in train (ShareGPT repeats popular
     prompts across conversations): model selection must be on data never trained on."""
-    seen = {e.text.strip() for e in trace_examples("train")}
+    seen = {e.text.strip() for e in trace_examples(trace_dir, "train")}
     out, kept = [], set()
-    for e in trace_examples("validation"):
+    for e in trace_examples(trace_dir, "validation"):
         key = e.text.strip()
         if key not in seen and key not in kept:
             kept.add(key)

@@ -1,8 +1,8 @@
 """Train → log → register → gate → promote. The CLI and the retraining loop are thin layers over
 these functions; loading what serves is ``predictor/loading.py`` (re-exported here).
 
-Each function works on the registry ``store`` it is given; left out, the data dir's
-(``app.paths.predictor_store()``, read when it runs)."""
+Each function works on the registry ``store`` it is given and, where it reads the traces, on the
+``trace_dir`` it is given: the entry points fill both from the data dir (``app.paths``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from app import paths
 from predictor import registry
 from predictor.loading import load_predictor, load_predictor_or_max  # noqa: F401 - re-exported
 from predictor.model import LengthModel, ModelSpec
@@ -36,10 +35,9 @@ def _metrics_only(metrics: dict) -> dict[str, float]:
     return {k: float(metrics[k]) for k in METRICS if k in metrics}
 
 
-def champion_metrics(evalset: list[Example], eval_hash: str, store: Store | None = None) -> dict[str, float] | None:
+def champion_metrics(evalset: list[Example], eval_hash: str, store: Store) -> dict[str, float] | None:
     """The champion's metrics on ``evalset``: stored ones when they were computed on the same
     set, else measured now. None when there is no champion (or it cannot be loaded)."""
-    store = store or paths.predictor_store()
     version = registry.champion_version(registry.configure(store))
     if version is None:
         return None
@@ -63,15 +61,19 @@ def train_and_register(
     promote: bool = True,
     extra_params: dict | None = None,
     turns: str = "first",
-    store: Store | None = None,
+    *,
+    store: Store,
+    trace_dir: Path | None = None,
 ) -> dict:
     """Train, log every epoch to MLflow, register a version in ``store``, gate it against the
     champion on the same eval set, promote it if it wins. Returns a summary dict. Without
-    ``train``, the traces' train split: first turns, or with ``turns="all"`` the later turns too."""
-    store = store or paths.predictor_store()
+    ``train``, the train split of the traces in ``trace_dir``: first turns, or with ``turns="all"``
+    the later turns too; without ``evalset``, their selection set."""
+    if (train is None or evalset is None) and trace_dir is None:
+        raise ValueError("training or evaluating on the traces needs their folder (trace_dir)")
     if train is None:
-        train, extra_params = training_examples(turns), {**(extra_params or {}), "turns": turns}
-    evalset = evalset if evalset is not None else selection_examples()
+        train, extra_params = training_examples(trace_dir, turns), {**(extra_params or {}), "turns": turns}
+    evalset = evalset if evalset is not None else selection_examples(trace_dir)
     eval_hash = examples_hash(evalset)
     params = {**config.model_dump(), **spec.model_dump(), "train_examples": len(train),
               "eval_examples": len(evalset), "source": source, **(extra_params or {})}
@@ -103,9 +105,9 @@ def train_and_register(
     return summary
 
 
-def ensure_champion(store: Store | None = None) -> dict | None:
-    """Train and promote a first, quick champion when the registry has none (``prepare``)."""
-    store = store or paths.predictor_store()
+def ensure_champion(store: Store, trace_dir: Path) -> dict | None:
+    """Train and promote a first, quick champion on the traces in ``trace_dir`` when the registry has
+    none (``prepare``)."""
     if registry.champion_version(registry.configure(store)) is not None:
         return None
-    return train_and_register(QUICK_TRAIN, QUICK_SPEC, extra_params={"recipe": "quick"}, store=store)
+    return train_and_register(QUICK_TRAIN, QUICK_SPEC, extra_params={"recipe": "quick"}, store=store, trace_dir=trace_dir)

@@ -6,8 +6,8 @@ misprediction rate passes a threshold. Retraining continues from the champion on
 of the feedback (the serving model's own lengths) and promoted if it wins. ``submit_retrain`` runs
 it as a Ray task, which the serving app calls on a timer.
 
-The feedback folder and the registry's store are arguments; left out, they are the data dir's
-(``app.paths``), read when the function runs.
+The feedback folder, the registry's store and the traces' folder are arguments: the entry points
+(the CLI, the predictor deployment) fill them from the data dir (``app.paths``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from app import paths
 from predictor.buckets import LengthBuckets
 from predictor.config import RetrainPolicy
 from predictor.feedback import FeedbackRecord, scan_feedback
@@ -50,16 +50,15 @@ def _state_path(root: Path) -> Path:
     return root / STATE_FILE
 
 
-def last_retrain_s(root: Path | None = None) -> float:
-    path = _state_path(root or paths.feedback_dir())
+def last_retrain_s(root: Path) -> float:
+    path = _state_path(root)
     try:
         return float(json.loads(path.read_text())["last_retrain_s"])
     except (OSError, ValueError, KeyError):
         return 0.0
 
 
-def mark_retrained(root: Path | None = None, when_s: float | None = None) -> None:
-    root = root or paths.feedback_dir()
+def mark_retrained(root: Path, when_s: float | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps({"last_retrain_s": when_s if when_s is not None else time.time()}))
@@ -83,14 +82,13 @@ def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets
     return None
 
 
-def records_since_last_retrain(records: list[FeedbackRecord], root: Path | None = None) -> list[FeedbackRecord]:
+def records_since_last_retrain(records: list[FeedbackRecord], root: Path) -> list[FeedbackRecord]:
     since_s = last_retrain_s(root)
     return [r for r in records if r.timestamp_s > since_s]
 
 
-def retrain_due(policy: RetrainPolicy, spec, root: Path | None = None) -> str | None:
+def retrain_due(policy: RetrainPolicy, spec, root: Path) -> str | None:
     """Why the feedback written since the last retraining calls for another one now, or None."""
-    root = root or paths.feedback_dir()
     return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], root), policy, spec.buckets)
 
 
@@ -101,19 +99,19 @@ def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tok
     return train, holdout
 
 
-def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
-                          promote: bool = True, store: Store | None = None) -> dict:
-    """Check the trigger (unless ``force``), then retrain, register (``source=feedback``) in
-    ``store``, gate and promote. Returns a summary; ``{"retrained": False, "reason": ...}`` when
-    nothing to do."""
+def retrain_from_feedback(policy: RetrainPolicy, root: Path, force: bool = False, promote: bool = True, *,
+                          store: Store, trace_dir: Path | None = None) -> dict:
+    """Check the trigger on the feedback in ``root`` (unless ``force``), then retrain, register
+    (``source=feedback``) in ``store``, gate and promote. ``trace_dir``: the traces whose train split
+    is mixed in (``policy.original_examples``). Returns a summary; ``{"retrained": False,
+    "reason": ...}`` when nothing to do."""
     from predictor import registry
     from predictor.training import pipeline
     from predictor.model import META, LengthModel, ModelSpec
     from predictor.training.train import TrainConfig
 
-    policy = policy or RetrainPolicy()
-    root = root or paths.feedback_dir()
-    store = store or paths.predictor_store()
+    if policy.original_examples and trace_dir is None:
+        raise ValueError("mixing original examples in (retrain.original_examples) needs the traces' folder")
     registry.configure(store)
     started_s = time.time()  # NOTE: before the scan: a record written during it counts next time
     records, skipped = scan_feedback(root)
@@ -126,7 +124,7 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     train, holdout = split_feedback(records, policy, spec.max_tokens)
     if not train or len(holdout) < 5:
         return {"retrained": False, "reason": f"too little usable feedback ({len(train)} train, {len(holdout)} held out)"}
-    original = trace_examples("train") if policy.original_examples else []
+    original = trace_examples(trace_dir, "train") if policy.original_examples else []
     random.Random(0).shuffle(original)
     mix = train + original[: policy.original_examples]
     config = TrainConfig(epochs=policy.epochs, lr=policy.lr, warmup_frac=0.0)
@@ -143,20 +141,20 @@ def retrain_from_feedback(policy: RetrainPolicy | None = None, root: Path | None
     return {"retrained": True, "reason": reason, "parent_version": version, **summary}
 
 
-def _retrain_task(policy: RetrainPolicy, root: Path, force: bool, store: Store) -> dict:
-    """The Ray task's body: a process of its own, so it sets the process defaults first."""
-    from app.runtime_env import process_defaults
+def _retrain_task(policy: RetrainPolicy, root: Path, force: bool, store: Store, trace_dir: Path | None,
+                  setup: Callable[[], None] | None) -> dict:
+    """The Ray task's body: a process of its own, so it runs the caller's ``setup`` first (the
+    process defaults: offline hub, quiet loggers)."""
+    if setup is not None:
+        setup()
+    return retrain_from_feedback(policy, root, force, store=store, trace_dir=trace_dir)
 
-    process_defaults()
-    return retrain_from_feedback(policy, root, force, store=store)
 
-
-def submit_retrain(policy: RetrainPolicy | None = None, root: Path | None = None, force: bool = False,
-                   store: Store | None = None):
-    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef. The
-    feedback folder and the store are resolved here, in the caller's process, and handed to the task."""
+def submit_retrain(policy: RetrainPolicy, root: Path, force: bool = False, *, store: Store,
+                   trace_dir: Path | None = None, setup: Callable[[], None] | None = None):
+    """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef.
+    ``setup`` runs first in the task's process."""
     import ray
 
-    policy = policy or RetrainPolicy()
     task = ray.remote(num_cpus=policy.num_cpus, max_retries=0)(_retrain_task)
-    return task.remote(policy, root or paths.feedback_dir(), force, store or paths.predictor_store())
+    return task.remote(policy, root, force, store, trace_dir, setup)

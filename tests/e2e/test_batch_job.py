@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app import paths
-from app.cli.serve import free_port
+from foreserve.cli.serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -60,7 +60,7 @@ def _once(results: Path, n: int) -> list[dict]:
 def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    from app.batch.job import run_job
+    from foreserve.batch.job import run_job
     from app.batch.io import ResultStore, ResultRow
     from predictor.feedback import read_feedback, scan_jsonl
 
@@ -108,7 +108,7 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
 def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    from app.batch.job import run_job
+    from foreserve.batch.job import run_job
     from app.batch.io import ResultStore
     from loadtests.bench.batch_job import engine_actor_pid
 

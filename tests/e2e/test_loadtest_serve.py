@@ -22,7 +22,7 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
     env = {**os.environ, "FORESERVE_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
     env.pop("MLFLOW_TRACKING_URI", None)
     report = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "app.cli.main", "loadtest", "--rate", "0.5", "--duration", "20",
+    proc = subprocess.run([sys.executable, "-m", "foreserve.cli.main", "loadtest", "--rate", "0.5", "--duration", "20",
                            "--tier-mix", "online=0.7,flex=0.3", "--max-tokens", "32", "--report", str(report)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

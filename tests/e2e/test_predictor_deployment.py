@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app import paths
 from deployments.predictor import LengthPredictorServer
 from predictor import registry
 from predictor.base import NO_BOUND
@@ -23,13 +24,13 @@ def test_fallback_then_hot_swap_to_each_new_champion(home: Path):
         assert server.version == "max-fallback"
         fallback = server.predict_batch(["hi"])[0]
         assert fallback["bound_tokens"] == NO_BOUND and fallback["rank_tokens"] is None  # no champion: reserve max_tokens
-        train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+        train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
         assert server.refresh() and server.version == "1" and server.swaps == 1
         assert not server.refresh()  # nothing new
         out = server.predict_batch(["say yes", "write a long essay about the sea"])
         assert [o["version"] for o in out] == ["1", "1"] and len(out[0]["probabilities"]) == 10
         assert all(1.0 <= o["rank_tokens"] <= 1024 for o in out)  # what the online scheduler orders by
-        train_and_register(CONFIG, SPEC, train=TRAIN[:16], evalset=EVAL, promote=False)
+        train_and_register(CONFIG, SPEC, train=TRAIN[:16], evalset=EVAL, promote=False, store=paths.predictor_store())
         registry.set_champion("2")
         assert server.refresh() and server.version == "2"
     finally:
@@ -85,7 +86,7 @@ def test_serve_deployment_batches_and_reports_its_version(home: Path):
 
     from deployments.predictor import PredictorDeployment
 
-    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
     env = {"FORESERVE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:

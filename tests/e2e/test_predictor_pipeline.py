@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from app import paths
-from app.cli.main import main
+from foreserve.cli.main import main
 from predictor import registry
 from predictor.base import MaxPredictor
 from predictor.feedback import FeedbackRecord, FeedbackWriter
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.mlflow, pytest.mark.usefixtures("home"), pytest.mark.f
 
 
 def test_train_register_promote_and_serve(home: Path, tmp_path: Path, capsys):
-    first = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    first = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
     assert first["version"] == "1" and first["promoted"] and registry.champion_version() == "1"
     run = MlflowClient().get_run(first["run_id"])
     assert run.data.params["eval_set_hash"] == first["eval_set_hash"]
@@ -38,7 +38,7 @@ def test_train_register_promote_and_serve(home: Path, tmp_path: Path, capsys):
     assert len(served.predict(["hi", "write a story"]).bound_tokens) == 2
 
     # the same recipe again ties the champion: the gate keeps v1
-    second = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    second = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
     assert second["version"] == "2" and not second["promoted"] and registry.champion_version() == "1"
 
     data = tmp_path / "eval.jsonl"
@@ -62,7 +62,7 @@ def test_train_register_promote_and_serve(home: Path, tmp_path: Path, capsys):
 
     # a training that fails leaves no run RUNNING
     with pytest.raises(ValueError, match="no training examples"):
-        train_and_register(CONFIG, SPEC, train=[], evalset=EVAL)
+        train_and_register(CONFIG, SPEC, train=[], evalset=EVAL, store=paths.predictor_store())
     runs = MlflowClient().search_runs([run.info.experiment_id], order_by=["start_time DESC"], max_results=1)
     assert runs[0].info.status == "FAILED"
 
@@ -71,7 +71,7 @@ def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
     with pytest.raises(registry.RegistryError, match="no champion"):
         load_predictor("champion", store=paths.predictor_store())
     assert isinstance(load_predictor_or_max("champion", store=paths.predictor_store()), MaxPredictor)
-    train_and_register(CONFIG, SPEC, train=TRAIN[:8], evalset=EVAL[:4])
+    train_and_register(CONFIG, SPEC, train=TRAIN[:8], evalset=EVAL[:4], store=paths.predictor_store())
     for f in (home / "mlflow").rglob("model.safetensors"):
         f.write_bytes(b"broken")
     fallback = load_predictor_or_max("champion", store=paths.predictor_store())
@@ -79,11 +79,14 @@ def test_missing_or_corrupt_champion_falls_back_to_max(home: Path):
     assert main(["predictor", "eval", "--data", "/nonexistent.jsonl"]) == 2
 
 
-def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("predictor.training.retrain.trace_examples", lambda split: list(TRAIN))  # the "original data"
-    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+def test_retrain_from_feedback_registers_a_feedback_version(home: Path):
+    traces = home / "traces"  # the "original data" mixed in: a train split of the tiny examples
+    traces.mkdir()
+    (traces / "train.jsonl").write_text("".join(json.dumps({"user": e.text, "output_tokens": e.output_tokens}) + "\n" for e in TRAIN))
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
     policy = RetrainPolicy(min_records=10, every_records=20, original_examples=8, holdout_frac=0.3, epochs=1)
-    assert not retrain_from_feedback(policy)["retrained"]  # no feedback yet: the trigger does not fire
+    assert not retrain_from_feedback(policy, paths.feedback_dir(),
+                                  store=paths.predictor_store(), trace_dir=traces)["retrained"]  # no feedback yet: the trigger does not fire
     with FeedbackWriter(paths.feedback_dir()) as writer:
         for i in range(40):
             long = i % 2 == 0
@@ -91,12 +94,13 @@ def test_retrain_from_feedback_registers_a_feedback_version(home: Path, monkeypa
                 request_id=f"r{i}", prompt=f"{'tell me everything about' if long else 'yes or no:'} topic {i}",
                 predicted_bucket=0, predicted_bound_tokens=102, output_tokens=800 if long else 3,
                 finish_reason="stop", tier="online", model_id="SmolLM2-135M-Instruct", predictor_version="1"))
-    result = retrain_from_feedback(policy)
+    result = retrain_from_feedback(policy, paths.feedback_dir(), store=paths.predictor_store(), trace_dir=traces)
     assert result["retrained"] and result["version"] == "2" and result["parent_version"] == "1"
     assert "new labelled feedback records" in result["reason"]
     info = registry.get_version_info("2")
     assert info["tags"]["source"] == "feedback"
-    assert not retrain_from_feedback(policy)["retrained"]  # nothing new since
+    assert not retrain_from_feedback(policy, paths.feedback_dir(),
+                                  store=paths.predictor_store(), trace_dir=traces)["retrained"]  # nothing new since
 
 
 @pytest.mark.slow
@@ -106,7 +110,7 @@ def test_retrain_runs_as_a_ray_task(home: Path):
 
     from predictor.training.retrain import submit_retrain
 
-    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
     with FeedbackWriter(paths.feedback_dir()) as writer:
         for i in range(30):
             writer.append(FeedbackRecord(request_id=f"r{i}", prompt=f"question {i} " + "more " * (i % 5),
@@ -116,7 +120,7 @@ def test_retrain_runs_as_a_ray_task(home: Path):
     ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         policy = RetrainPolicy(min_records=10, every_records=20, original_examples=0, holdout_frac=0.3, epochs=1)
-        result = ray.get(submit_retrain(policy), timeout=300)
+        result = ray.get(submit_retrain(policy, paths.feedback_dir(), store=paths.predictor_store()), timeout=300)
     finally:
         ray.shutdown()
     assert result["retrained"] and result["version"] == "2"

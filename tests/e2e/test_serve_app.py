@@ -44,7 +44,7 @@ def _config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    from app.cli.serve import _stop, free_port, start
+    from foreserve.cli.serve import _stop, free_port, start
     from predictor import registry
     from predictor.training.pipeline import train_and_register
     from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN
@@ -57,7 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     mp.setenv("FORESERVE_HOME", str(home))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.delenv("FORESERVE_API_KEYS", raising=False)
-    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL)  # a tiny champion: version 1
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())  # a tiny champion: version 1
     assert registry.champion_version() == "1"
     port = free_port()
     try:

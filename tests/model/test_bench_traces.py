@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.cli.main import main
+from foreserve.cli.main import main
 from app.prepare.traces import load_trace
 from loadtests.bench.throughput import run_benchmark
 

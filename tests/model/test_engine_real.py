@@ -143,7 +143,7 @@ def test_an_answer_resumed_from_its_tokens_goes_on_exactly(engine_parts):
 
 
 def test_generate_cli_streams_an_answer():
-    proc = subprocess.run([sys.executable, "-m", "app.cli.main", "generate", "What is 2+2?", "--max-tokens", "8"],
+    proc = subprocess.run([sys.executable, "-m", "foreserve.cli.main", "generate", "What is 2+2?", "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()

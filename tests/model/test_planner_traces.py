@@ -16,7 +16,7 @@ pytestmark = pytest.mark.traces
 
 @pytest.mark.slow
 def test_plan_report_contract_table_and_plot(tmp_path, capsys):
-    from app.cli.plan import plot_frontier, print_plan
+    from foreserve.cli.plan import plot_frontier, print_plan
     from autoscale.planning.planner import plan
 
     req = PlanRequest(model="llama-3-8b", hardware="H100-80G", rate_rps=30, offline_tokens_per_day=1e9,
@@ -36,7 +36,7 @@ def test_plan_report_contract_table_and_plot(tmp_path, capsys):
 
 
 def test_scheduler_ab_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    from app.cli.main import main
+    from foreserve.cli.main import main
 
     calibration = tmp_path / "cal.json"
     calibration.write_text(json.dumps({"fitted": {"memory_bandwidth_bytes_per_s": 3.5e9, "flops": 1.8e10}}))

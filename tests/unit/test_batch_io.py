@@ -100,7 +100,7 @@ def test_parquet_input_with_json_string_bodies(tmp_path: Path):
 
 
 def test_submit_fails_fast_on_unreadable_input_before_any_cluster(tmp_path, capsys, monkeypatch):
-    from app import cli
+    from foreserve import cli
     from app.batch import jobs
 
     monkeypatch.setattr(jobs, "client", lambda *a, **k: pytest.fail("no cluster may be started for a bad input"))
@@ -109,7 +109,7 @@ def test_submit_fails_fast_on_unreadable_input_before_any_cluster(tmp_path, caps
 
 
 def test_status_counts_rows_from_parts_while_running(tmp_path):
-    from app.batch.job import read_status, write_status
+    from app.batch.io import read_status, write_status
     from app.batch.io import InputRow, ResultStore, error_row
 
     write_status(tmp_path, state="running", rows_total=3, started_at=1.0)
@@ -122,8 +122,8 @@ def test_status_counts_rows_from_parts_while_running(tmp_path):
 def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
     import pyarrow.parquet as pq
 
-    from app.batch.job import write_parquet
-    from app.batch.stages import completion_body
+    from foreserve.batch.job import write_parquet
+    from foreserve.batch.stages import completion_body
     from app.batch.io import InputRow
 
     store = ResultStore(tmp_path)
@@ -140,7 +140,7 @@ def test_batch_api_without_a_ray_job_loses_nothing(tmp_path: Path, monkeypatch):
     restarted) reports what its job left on disk instead of failing the request."""
     from app.batch import jobs
     from app.api.errors import APIError
-    from app.batch.job import write_status
+    from app.batch.io import write_status
     from app.batch.api import BatchCreate, BatchStore
 
     def gone(*_a, **_k):

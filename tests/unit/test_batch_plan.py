@@ -1,8 +1,8 @@
-"""How a batch job cuts its predicted rows into engine batches (``app.batch.job.plan_batches``)."""
+"""How a batch job cuts its predicted rows into engine batches (``foreserve.batch.job.plan_batches``)."""
 
 from __future__ import annotations
 
-from app.batch.job import plan_batches
+from foreserve.batch.job import plan_batches
 
 
 def _rows(bounds: list[int]) -> list[dict]:

@@ -18,14 +18,14 @@ import pytest
     ],
 )
 def test_cli_rejects_bad_input_with_a_message(args, message):
-    proc = subprocess.run([sys.executable, "-m", "app.cli.main", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "foreserve.cli.main", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_cli_help_lists_commands():
-    proc = subprocess.run([sys.executable, "-m", "app.cli.main", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "foreserve.cli.main", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     for word in ("prepare", "bench", "generate"):
         assert word in proc.stdout

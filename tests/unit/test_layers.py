@@ -9,21 +9,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("app", "predictor", "deployments", "autoscale", "loadtests", "scripts")
+PACKAGES = ("foreserve", "app", "predictor", "deployments", "autoscale", "loadtests", "scripts")
 
-# Most specific prefix first: a module's layer is that of the first prefix it is or lies under.
+# Most specific prefix first: a module's layer is that of the first prefix it is or lies under. Every
+# top-level package spans one layer or adjacent ones, in this order, so packages import each other
+# in one direction only (test_no_cycle_between_top_level_packages).
 LAYERS: tuple[tuple[str, int], ...] = (
-    ("predictor.training", 2),  # training, registering, retraining, feedback collection
+    ("predictor.training", 1),  # dataset, training, registering, retraining
     ("predictor", 0),  # the serving side: the engine depends on its interface (base, buckets)
-    ("app.cli", 6),  # the `foreserve` command
-    ("app.prepare.run", 6),  # `foreserve prepare`: trains the first predictor
-    ("app.batch.job", 5),  # the batch job's driver and its actors: they call the deployments
-    ("app.batch.stages", 5),
-    ("app.batch", 4),  # the Files/Batch API objects, row io and the Ray Jobs client: the ingress uses them
-    ("app", 1),  # core: paths, runtime_env, config, api, engine, prepare.model, prepare.traces
+    ("app", 2),  # the core library: paths, runtime_env, config, api, engine, prepare, batch io and API objects
     ("autoscale", 3),  # autoscaling policy, signals, decisions; planning
     ("deployments", 4),  # Ray Serve
     ("loadtests", 5),  # Locust load tests and benchmarks
+    ("foreserve", 6),  # the entry points: the `foreserve` command, `prepare`, the batch job
     ("scripts", 6),  # research probes: they drive the CLI
 )
 
@@ -99,9 +97,9 @@ def test_every_module_has_a_layer():
 
 
 def test_the_walk_sees_imports_inside_functions_and_modules_named_by_from():
-    targets = {target for target, _ in graph()["app.cli.serve"]}
-    # cmd_serve's `from app import paths` and `from app.prepare.run import prepare`
-    assert {"app.paths", "app.prepare.run", "deployments.launch"} <= targets
+    targets = {target for target, _ in graph()["foreserve.cli.serve"]}
+    # cmd_serve's `from app import paths` and `from foreserve.prepare import prepare`
+    assert {"app.paths", "foreserve.prepare", "deployments.launch"} <= targets
 
 
 def test_no_module_imports_a_higher_layer():
@@ -187,3 +185,15 @@ def test_no_import_cycle():
             cycles.setdefault(frozenset(cycle), cycle)
     report = sorted("\n    ".join(cycle) for cycle in cycles.values())
     assert not report, "modules that import each other in a circle (cut one import of each):\n    " + "\n\n    ".join(report)
+
+
+def test_no_cycle_between_top_level_packages():
+    edges: dict[str, list[tuple[str, str]]] = {p: [] for p in PACKAGES}
+    for module, targets in graph().items():
+        for target, where in targets:
+            if target.split(".")[0] != module.split(".")[0]:
+                edges[module.split(".")[0]].append((target.split(".")[0], where))
+    cycles = [" <-> ".join(component) for component in strongly_connected(edges)]
+    shown = {(m.split(".")[0], t.split(".")[0]): w for m, ts in graph().items() for t, w in ts}
+    assert not cycles, "top-level packages that import each other: " + "; ".join(cycles) + "\n" + "\n".join(
+        f"{a} -> {b}: {w}" for (a, b), w in sorted(shown.items()) if a != b)

@@ -177,7 +177,7 @@ def test_queued_order_gain():
 
 
 def test_scheduler_ab_rejects_bad_input_clearly(tmp_path, capsys):
-    from app.cli.main import main
+    from foreserve.cli.main import main
 
     runner, config = _cpu_ab_config()
     workload = Workload.lognormal(50, 111, 150, max_tokens=256, seed=2)

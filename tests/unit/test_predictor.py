@@ -57,17 +57,16 @@ def test_oracle_gives_a_repeated_prompt_each_of_its_lengths_in_order():
         oracle.predict(["unknown"])
 
 
-def test_training_examples_add_later_turns_but_no_validation_prompt(monkeypatch):
-    from app.prepare import traces
-
-    rec = lambda user, n: traces.TraceRecord("id", user, f"<{user}>", 3, n)  # noqa: E731
-    splits = {"train": [rec("first", 10)], "validation": [rec("asked later too", 7)],
-              "train_later": [rec("continue", 300), rec("asked later too", 50)]}
-    monkeypatch.setattr(traces, "load_trace", lambda split: splits[split])
-    assert training_examples("first") == [Example("first", 10)]
-    assert training_examples("all") == [Example("first", 10), Example("continue", 300)]
+def test_training_examples_add_later_turns_but_no_validation_prompt(tmp_path):
+    splits = {"train": [("first", 10)], "validation": [("asked later too", 7)],
+              "train_later": [("continue", 300), ("asked later too", 50)]}
+    for split, rows in splits.items():  # the traces' format: what app.prepare.traces writes
+        lines = [json.dumps({"id": "id", "user": u, "prompt": f"<{u}>", "prompt_tokens": 3, "output_tokens": n}) for u, n in rows]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    assert training_examples(tmp_path, "first") == [Example("first", 10)]
+    assert training_examples(tmp_path, "all") == [Example("first", 10), Example("continue", 300)]
     with pytest.raises(ValueError, match="turns"):
-        training_examples("some")
+        training_examples(tmp_path, "some")
 
 
 def test_decode_bound_follows_the_quantile():
@@ -221,7 +220,7 @@ class BrokenPredictor(LengthPredictor):
 def test_engine_falls_back_to_max_when_the_predictor_fails():
     engine = make_engine(allocation="reserve_predicted", kv_tokens=512)
     engine.predictor = BrokenPredictor(engine.buckets)
-    from app.engine.request import EngineRequest, Prediction, SamplingParams
+    from app.engine.request import EngineRequest, SamplingParams
 
     req = engine.add_request(EngineRequest(prompt_token_ids=[5] * 10, sampling=SamplingParams(max_tokens=40, ignore_eos=True),
                                            prompt="hello", request_id="r"))

@@ -143,6 +143,7 @@ def cmd_calibrate_cpu(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler_ab(args: argparse.Namespace) -> int:
+    from app import paths
     from app.config import EngineConfig, load_pool_config
     from app.engine.sim.profiles import parse_sim_spec
     from app.engine.sim.runner import SimRunner
@@ -171,7 +172,7 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     workload = Workload.sharegpt(2000, args.max_tokens)
     # NOTE: a real predictor's bounds at the online pool's quantile (serve_config.yaml), as the ingress reserves
     quantile = args.bound_quantile if args.bound_quantile is not None else load_pool_config("online").bound_quantile
-    predictions = None if args.predictor == "oracle" else predict_workload(workload, args.predictor, quantile)
+    predictions = None if args.predictor == "oracle" else predict_workload(workload, args.predictor, quantile, paths.predictor_store())
     report = scheduler_ab(runner, config, workload, args.rates, args.duration, args.seeds, tuple(args.schedulers),
                           args.bucket_noise, predictions, args.order_by)
     a, b = report["schedulers"]

@@ -1,6 +1,6 @@
 """The batch job's actors: ``PredictStage`` (Ray Data, the length predictor), ``EngineStage`` (an
 ``LLMEngine`` of the job's own) and ``ServeStage`` (a running Serve app's offline pool); each
-finished row goes to the actor's own part file (``app/batch/io.py``). ``app/batch/job.py`` drives them."""
+finished row goes to the actor's own part file (``app/batch/io.py``). ``foreserve/batch/job.py`` drives them."""
 
 from __future__ import annotations
 

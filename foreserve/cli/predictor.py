@@ -1,14 +1,13 @@
-"""`foreserve predictor train|eval|promote|list|retrain`: the length predictor and its MLflow registry."""
+"""`foreserve predictor train|eval|promote|list|retrain|collect`: the length predictor and its MLflow registry."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 from app import paths
-from app.cli.common import write_json
+from app.prepare.traces import ensure_traces
+from foreserve.cli.common import write_json
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -24,7 +23,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         "max_input_tokens": args.max_input_tokens, "bound_quantile": args.bound_quantile})
     turns = args.turns or ("first" if args.quick else "all")
     summary = train_and_register(config, spec, promote=not args.no_promote, turns=turns,
-                                 extra_params={"recipe": "quick" if args.quick else "full"}, store=paths.predictor_store())
+                                 extra_params={"recipe": "quick" if args.quick else "full"},
+                                 store=paths.predictor_store(), trace_dir=ensure_traces())
     write_json(args.json, summary, echo=True)
     return 0
 
@@ -37,7 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.bound_quantile is not None and not 0 < args.bound_quantile <= 1:
         raise ValueError(f"--bound-quantile is a quantile in (0, 1], got {args.bound_quantile}")
-    examples = read_eval_file(Path(args.data)) if args.data else selection_examples()
+    examples = read_eval_file(Path(args.data)) if args.data else selection_examples(ensure_traces())
     predictor = load_predictor(args.version or "champion", store=paths.predictor_store())
     if not isinstance(predictor, LearnedPredictor):
         raise ValueError(f"{args.version or 'champion'!r} is no learned predictor: eval scores the champion, a version or a model directory")
@@ -63,7 +63,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         registry.set_champion(args.version)
         print(f"champion -> v{args.version} (forced, no gate)")
         return 0
-    examples = selection_examples()
+    examples = selection_examples(ensure_traces())
     eval_hash = examples_hash(examples)
     candidate = evaluate(load_predictor(args.version, store=store), examples)
     accepted, reason = registry.promote_if_better(args.version, candidate, champion_metrics(examples, eval_hash, store),
@@ -108,17 +108,19 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         "epochs": args.epochs, "min_records": args.min_records, "holdout_frac": args.holdout_frac,
         "original_examples": args.original_examples}.items() if v is not None}})
     report = retrain_from_feedback(policy, paths.feedback_dir(), force=args.force, promote=not args.no_promote,
-                                   store=paths.predictor_store())
+                                   store=paths.predictor_store(),
+                                   trace_dir=ensure_traces() if policy.original_examples else None)
     write_json(args.json, report, echo=True)
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from predictor.training.collect import collect_feedback
+    from app.prepare.collect import collect_feedback
 
     write_json(args.json, collect_feedback(
         args.prompts, split=args.split, offset=args.offset, max_tokens=args.max_tokens,
-        temperature=args.temperature, seed=args.seed, torch_threads=args.threads, root=paths.feedback_dir(),
+        temperature=args.temperature, seed=args.seed, torch_threads=args.threads,
+        root=paths.feedback_dir(), store=paths.predictor_store(), trace_dir=ensure_traces(),
     ), echo=True)
     return 0
 
@@ -190,3 +192,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--threads", type=int, help="torch threads of the engine")
     c.add_argument("--json", metavar="OUT")
     c.set_defaults(func=cmd_collect)
+

@@ -1,5 +1,5 @@
 """The ``foreserve`` command: one module per command group, assembled in ``main.py``."""
 
-from app.cli.main import main
+from foreserve.cli.main import main
 
 __all__ = ["main"]

@@ -9,7 +9,7 @@ import signal
 import time
 
 # NOTE: starting Ray and deploying the app is the deployments' (the load tests start it too);
-# re-exported here for the callers of ``app.cli.serve``
+# re-exported here for the callers of ``foreserve.cli.serve``
 from deployments.launch import application_schema, free_port, metrics_urls, start, wait_ready  # noqa: F401
 from deployments.launch import stop as _stop
 
@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not paths.model_dir().exists():
         if args.no_prepare:
             raise RuntimeError(f"no model at {paths.model_dir()}; run `foreserve prepare` first")
-        from app.prepare.run import prepare
+        from foreserve.prepare import prepare
 
         prepare()
     url, took_s, config = start(args.config, args.host, args.port)

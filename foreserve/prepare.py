@@ -33,7 +33,7 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
         from predictor.training.pipeline import ensure_champion
 
         store = paths.predictor_store()
-        trained = ensure_champion(store)
+        trained = ensure_champion(store, traces_path)
         champion = {"version": registry.champion_version(registry.configure(store)), "trained_now": trained}
     t3 = time.perf_counter()
     return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from app.cli.common import write_json
+from foreserve.cli.common import write_json
 
 POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_static", "hf_continuous")
 

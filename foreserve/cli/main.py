@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.cli import batch, bench, loadtest, plan, predictor, prepare, serve
+from foreserve.cli import batch, bench, loadtest, plan, predictor, prepare, serve
 from app.runtime_env import process_defaults
 
 GROUPS = (prepare, serve, bench, predictor, batch, plan, loadtest)

@@ -12,7 +12,7 @@ restarted by Ray and its batch retried: the retry skips rows a part already answ
 be answered twice anyway, ``finalize`` keeps the first answer). A job that is stopped and run again
 with the same output directory skips every line a part already answers.
 
-The actors are in ``app/batch/stages.py``. ``python -m app.batch.job INPUT --output DIR`` is the Ray
+The actors are in ``foreserve/batch/stages.py``. ``python -m foreserve.batch.job INPUT --output DIR`` is the Ray
 Job's entrypoint (``foreserve batch submit``).
 """
 
@@ -25,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from app.batch.io import STATUS_FILE, read_status  # noqa: F401 - re-exported (app.batch.io holds them)
 from app.batch.io import InputRow, ResultStore, error_row, read_input, write_status
-from app.batch.stages import EngineStage, PredictStage, ServeStage, running_app
+from foreserve.batch.stages import EngineStage, PredictStage, ServeStage, running_app
 from app.config import EngineConfig, load_pool_config
 from app.runtime_env import process_defaults
 
@@ -172,7 +171,7 @@ def write_parquet(results: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """The Ray Job's entrypoint: runs in the cluster that submitted it (``RAY_ADDRESS`` set by Ray Jobs)."""
-    p = argparse.ArgumentParser("python -m app.batch.job", description="run one foreserve batch job in the current Ray cluster")
+    p = argparse.ArgumentParser("python -m foreserve.batch.job", description="run one foreserve batch job in the current Ray cluster")
     p.add_argument("input")
     p.add_argument("--output", required=True)
     p.add_argument("--replicas", type=int, default=1)

@@ -7,7 +7,7 @@ import json
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from app.prepare.run import prepare
+    from foreserve.prepare import prepare
 
     summary = prepare(force=args.force, predictor=not args.no_predictor)
     print(json.dumps(summary, indent=2, default=str))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from app import paths
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import EngineRequest, Prediction, SamplingParams
+from predictor.store import Store
 
 
 def request_id(split: str, trace_id: str) -> str:
@@ -27,23 +27,26 @@ def collect_feedback(
     seed: int = 0,
     kv_cache_tokens: int = 16384,
     torch_threads: int | None = None,
-    root: Path | None = None,
+    *,
+    root: Path,
+    store: Store,
+    trace_dir: Path | None = None,
 ) -> dict:
     """Generate answers for ``num_prompts`` trace prompts on the offline engine configuration
     (``reserve_predicted`` + ``offline``, the champion predicting); every finished request appends
     its feedback record. Prompts the store already holds an answer to (by request id) are skipped,
-    so a stopped collection resumes where it was. ``root``: the feedback store (default: the data
-    dir's). Returns counts and throughput."""
+    so a stopped collection resumes where it was. ``root``: the feedback folder; ``store``: the
+    registry the champion comes from; ``trace_dir``: the traces (default: built if absent). Returns
+    counts and throughput."""
     from app.prepare.traces import load_trace
     from predictor.feedback import FeedbackWriter, scan_feedback
     from predictor.loading import load_predictor_or_max
 
     if num_prompts < 1 or offset < 0:
         raise ValueError(f"prompts must be >= 1 and offset >= 0, got {num_prompts} and {offset}")
-    records = load_trace(split)[offset : offset + num_prompts]
+    records = load_trace(split, trace_dir=trace_dir)[offset : offset + num_prompts]
     if not records:
         raise ValueError(f"no {split} prompts at offset {offset}")
-    root = root or paths.feedback_dir()
     answered = {r.request_id for r in scan_feedback(root)[0]}
     todo = [(offset + j, r) for j, r in enumerate(records) if request_id(split, r.id) not in answered]
     if not todo:
@@ -52,7 +55,7 @@ def collect_feedback(
         allocation="reserve_predicted", scheduler="offline", kv_cache_tokens=kv_cache_tokens,
         default_max_tokens=max_tokens, max_model_len_tokens=max_tokens + 1024, torch_threads=torch_threads,
     )
-    predictor = load_predictor_or_max("champion", store=paths.predictor_store())
+    predictor = load_predictor_or_max("champion", store=store)
     with FeedbackWriter(root) as writer:
         engine = LLMEngine.from_config(config, predictor=predictor, feedback=writer)
         try:

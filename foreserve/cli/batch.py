@@ -1,4 +1,4 @@
-"""`foreserve batch submit|status|results|cancel`: offline jobs as Ray Jobs (app/batch/jobs.py, app/batch/job.py)."""
+"""`foreserve batch submit|status|results|cancel`: offline jobs as Ray Jobs (app/batch/jobs.py, foreserve/batch/job.py)."""
 
 from __future__ import annotations
 
