@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-unit test-model test-e2e test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan calibrate-service loadtest loadtest-ab clean
+.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan calibrate-service loadtest loadtest-ab clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,11 +33,13 @@ serve: prepare
 run: serve
 
 # The tiers (tests/conftest.py): unit needs an install only; model the prepared model and traces;
-# e2e Ray, Serve, MLflow and Locust. `make test` runs all three, slow tests included.
+# e2e Ray, Serve, MLflow and Locust; multinode a Ray cluster of several nodes on this machine (and a
+# PostgreSQL it starts, installing Debian's package if missing). `make test` runs all four.
 test: prepare
 	$(MAKE) --no-print-directory test-unit
 	$(MAKE) --no-print-directory test-model
 	$(MAKE) --no-print-directory test-e2e
+	$(MAKE) --no-print-directory test-multinode
 
 # Proves the unit tier needs no model, data, Ray, MLflow or Locust: an empty data dir, and those
 # packages (with the data packages the model and traces are prepared from) hidden in pytest and its
@@ -59,6 +61,9 @@ test-model: prepare
 test-e2e: prepare
 	$(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
 	$(PY) -m pytest -q tests/e2e -m "slow" || [ $$? -eq 5 ]
+
+test-multinode: prepare
+	$(PY) -m pytest -q tests/multinode
 
 bench: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \

@@ -164,7 +164,7 @@ class IngressConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty (and no FORESERVE_API_KEYS env) means no auth.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys, readable in the Serve config; `foreserve serve` hands FORESERVE_API_KEYS to the replicas as SHA-256 digests instead. None of either: no auth.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
     max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")

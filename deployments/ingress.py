@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app import paths
 from app.api import errors
+from app.api.keys import ApiKeys, split_list
 from app.api.prompt import chat_prompt
 from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -39,6 +40,7 @@ from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.http_errors import install_error_handlers
+from deployments.launch import PREDICTOR_UNAVAILABLE
 from deployments.pool_gate import GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -81,8 +83,9 @@ class Ingress:
         self.model_id = online.served_model_name
         self.tokenizer = load_tokenizer(online.model_path)
         self.limits = {name: pool.sequence_limit_tokens() for name, pool in self.config.pools.items()}
-        env_keys = [k.strip() for k in os.environ.get("FORESERVE_API_KEYS", "").split(",") if k.strip()]
-        self.api_keys = set(self.config.ingress.api_keys) | set(env_keys)
+        # NOTE: `foreserve serve` hands the replicas digests of its FORESERVE_API_KEYS, never the keys
+        self.api_keys = ApiKeys(self.config.ingress.api_keys + split_list(os.environ.get("FORESERVE_API_KEYS")),
+                                split_list(os.environ.get("FORESERVE_API_KEY_SHA256")))
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
         self.batches = BatchStore(paths.home() / "batches", app_name=serve.get_replica_context().app_name)
@@ -92,7 +95,8 @@ class Ingress:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """``ok`` when the predictor and both pools answer within 5 s (a pool the autoscaler scaled to
-        zero counts as up), else ``degraded`` with what failed (a busy pool can be slow to answer: the
+        zero counts as up) and the predictor serves what it was configured to (the champion), else
+        ``degraded`` with ``problems`` saying what failed (a busy pool can be slow to answer: the
         ingress itself is up, so always 200); with each pool's running replicas. The
         first call also warms the handles' routing, so the first chat request does not pay it."""
         async def ask(call, timeout_s: float = 5.0):
@@ -110,10 +114,16 @@ class Ingress:
         pools = {name: {"num_running": 0, "num_waiting": 0} if name in idle else await ask(handle.stats.remote())
                  for name, handle in self.pools.items()}
         predictor = await ask(self.predictor.info.remote())
-        failed = "error" in predictor or any("error" in p for p in pools.values())
+        problems = [f"pool {name}: {p['error']}" for name, p in pools.items() if "error" in p]
+        if "error" in predictor:
+            problems.append(f"predictor: {predictor['error']}")
+        elif predictor.get("unavailable"):
+            # NOTE: it answers, reserving for max_tokens, but not with the champion: a registry on
+            # another node's disk or down, no champion yet, a broken version
+            problems.append(f"{PREDICTOR_UNAVAILABLE}: {predictor['unavailable']}")
         keys = ("error", "kv_free_tokens", "num_running", "num_waiting", "preemptions", "recomputed_tokens")
         return JSONResponse({
-            "status": "degraded" if failed else "ok", "model": self.model_id,
+            "status": "degraded" if problems else "ok", "problems": problems, "model": self.model_id,
             "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,
             "pools": {name: {k: p[k] for k in keys if k in p} for name, p in pools.items()},
             "replicas": {name: s.get("RUNNING", 0) for name, s in states.items()} if "error" not in states else states,
@@ -201,7 +211,7 @@ class Ingress:
         if not self.api_keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+        if scheme.lower() != "bearer" or not self.api_keys.accepts(key.strip()):
             raise errors.unauthorized()
 
     async def _body(self, request: Request, limit: int) -> bytes:

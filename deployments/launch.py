@@ -8,11 +8,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from app import paths
+from app.api.keys import digest, split_list
 from app.runtime_env import SERVE_ENV, env_vars
+
+
+PREDICTOR_UNAVAILABLE = "predictor serves max reservation"  # a /health problem: it answers, without its champion
 
 
 def free_port() -> int:
@@ -22,17 +28,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> None:
+def is_serving(health: dict | None) -> bool:
+    """A ``/health`` answer of a service that serves: ``ok``, or ``degraded`` only because the
+    predictor serves max reservation (no champion yet, a registry it cannot read)."""
+    if not health:
+        return False
+    problems = health.get("problems") or []
+    return health.get("status") == "ok" or (bool(problems) and all(p.startswith(PREDICTOR_UNAVAILABLE) for p in problems))
+
+
+def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> dict:
     """Poll ``GET /health`` until the app and both pools answer (Serve's proxy 404s until routes exist);
-    with ``app_name``, fail at once with Serve's message if the deployment failed."""
+    with ``app_name``, fail at once with Serve's message if the deployment failed. Returns the last
+    health answer: ``ok``, or ``degraded`` only because the predictor serves max reservation (the
+    service answers; the caller shows why)."""
     deadline = time.monotonic() + timeout_s
     request = urllib.request.Request(f"{url}/health")
     while True:
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
-                if response.status == 200 and json.loads(response.read()).get("status") == "ok":
-                    return
-        except OSError:
+                health = json.loads(response.read()) if response.status == 200 else {}
+            if is_serving(health):
+                return health
+        except (OSError, ValueError):
             pass
         if app_name:
             _raise_if_failed(app_name)
@@ -47,6 +65,18 @@ def _raise_if_failed(app_name: str) -> None:
     status = serve.status().applications.get(app_name)
     if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
         raise RuntimeError(f"Serve could not deploy {app_name!r} ({status.status}): {status.message}")
+
+
+def replica_env(joined: bool) -> dict[str, str]:
+    """The environment the replicas get (their runtime_env, which Ray's dashboard shows): this
+    process's ``SERVE_ENV`` variables, with ``FORESERVE_API_KEYS`` as SHA-256 digests only, and,
+    when joining a cluster, without ``FORESERVE_HOME`` (every node keeps its own data dir)."""
+    env = env_vars(SERVE_ENV)
+    if keys := split_list(os.environ.get("FORESERVE_API_KEYS")):
+        env["FORESERVE_API_KEY_SHA256"] = ",".join([*split_list(env.get("FORESERVE_API_KEY_SHA256")), *map(digest, keys)])
+    if joined:
+        env.pop("FORESERVE_HOME", None)
+    return env
 
 
 def application_schema(path: Path, env: dict[str, str]) -> dict:
@@ -64,12 +94,42 @@ def application_schema(path: Path, env: dict[str, str]) -> dict:
     return entry
 
 
-def start(config_path: str | None = None, host: str | None = None, port: int | None = None):
-    """Start Ray (local, or ``RAY_ADDRESS``) and deploy the app; returns (url, seconds taken, AppConfig).
+def check_registry_reachable_from_every_node(nodes: int, tracking_uri: str) -> None:
+    """On a cluster of several nodes, the predictor's registry must be one every node reaches: a
+    node-local store (the default sqlite file under the data dir) would give every other node an
+    empty registry of its own, and its replicas would serve ``max-fallback``."""
+    scheme = tracking_uri.split(":", 1)[0]
+    if nodes > 1 and scheme in ("sqlite", "file", ""):
+        raise RuntimeError(
+            f"this Ray cluster has {nodes} nodes, but the predictor registry is {tracking_uri}, on this node's disk: "
+            "replicas on the other nodes would not find the champion. Run one registry every node reaches "
+            "(`foreserve predictor server --backend-store-uri postgresql://… --artifacts DIR`, docs/cluster.md) "
+            "and export MLFLOW_TRACKING_URI=http://HOST:5000 before `foreserve serve`.")
+
+
+_deployed: dict[str, str | bool] = {}  # what start() deployed, for stop(): the app's name, and whether Ray was joined
+
+
+def head_address() -> str:
+    """The head node's IP address, as Ray knows it."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeManagerAddress"]
+    raise RuntimeError("no live head node in this Ray cluster")
+
+
+def start(config_path: str | None = None, host: str | None = None, port: int | None = None,
+          proxy_location: str | None = None):
+    """Start Ray (local, or join the cluster at ``RAY_ADDRESS``) and deploy the app; returns (url,
+    seconds taken, AppConfig).
 
     The config file is deployed as Ray's ``serve deploy`` does (Serve's declarative config API), so
     everything in it applies: per-deployment options and autoscaling, and the application-level
-    autoscaling policy that only that path supports."""
+    autoscaling policy that only that path supports. Joined to a cluster, the app listens on every
+    interface with a proxy on every node (unless ``host``/``proxy_location`` say otherwise), and
+    the URL returned is the head's."""
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -80,7 +140,10 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     t0 = time.perf_counter()
     path = Path(config_path) if config_path else DEFAULT_CONFIG_PATH
     top = load_yaml(path)
+    joined = bool(os.environ.get("RAY_ADDRESS"))
     http = {"host": "127.0.0.1", "port": 8000, **(top.get("http_options") or {})}
+    if joined:
+        http["host"] = "0.0.0.0"  # NOTE: clients and the other nodes' proxies are on other machines
     if host:
         http["host"] = host
     if port:
@@ -89,19 +152,26 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         # NOTE: Ray 2.60 turns on token auth by default; a private local cluster runs without it
         # (joining a cluster with auth: export RAY_AUTH_TOKEN and RAY_ADDRESS instead).
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = env_vars(SERVE_ENV)
+    env = replica_env(joined)
     entry = application_schema(path, env)
     config = AppConfig.model_validate(entry.get("args") or {})  # fail fast, before starting anything
-    proxy_location = top.get("proxy_location", "HeadOnly")
+    proxy_location = proxy_location or ("EveryNode" if joined else top.get("proxy_location", "HeadOnly"))
     schema = ServeDeploySchema.model_validate(
         {"proxy_location": proxy_location, "http_options": http, "applications": [entry]}
     )
     # NOTE: the dashboard serves the Jobs API that batch jobs (and /v1/batches) are submitted to
     ray.init(runtime_env={"env_vars": env}, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    check_registry_reachable_from_every_node(sum(1 for n in ray.nodes() if n.get("Alive")), paths.predictor_store().uri())
     serve.start(proxy_location=proxy_location, http_options=http)
-    _get_global_client().deploy_apps(schema, _blocking=False)
-    url = f"http://{http['host']}:{http['port']}"
-    wait_ready(url, 180, entry["name"])
+    client = _get_global_client()
+    client.deploy_apps(schema, _blocking=False)
+    _deployed.update(app=entry["name"], joined=joined)
+    # NOTE: on a cluster where Serve already runs, its HTTP options are the ones it started with
+    listen, listen_port = client.http_config.host, client.http_config.port
+    url = f"http://{head_address() if listen in ('0.0.0.0', '::') else listen}:{listen_port}"
+    health = wait_ready(url, 180, entry["name"])
+    for problem in health.get("problems") or []:
+        print(f"foreserve is degraded: {problem}", file=sys.stderr, flush=True)
     return url, time.perf_counter() - t0, config
 
 
@@ -113,9 +183,14 @@ def metrics_urls() -> list[str]:
 
 
 def stop() -> None:
-    """Shut Serve and Ray down (what ``start`` started)."""
+    """Take down what ``start`` started: on a cluster it joined, foreserve's app only (Serve and the
+    other apps there keep running); on the local cluster it started, Serve and Ray."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if _deployed.get("joined"):
+        serve.delete(str(_deployed["app"]))
+    else:
+        serve.shutdown()
+    _deployed.clear()
     ray.shutdown()

@@ -63,6 +63,10 @@ class LengthPredictorServer:
     def version(self) -> str:
         return str(self._predictor.version)
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the configured predictor does not serve (max reservation does instead), or None."""
+        return getattr(self._predictor, "unavailable", None)
     def refresh(self) -> bool:
         """Load the champion if it is not the version being served; True when it swapped."""
         from predictor import registry
@@ -194,7 +198,7 @@ class PredictorDeployment:
 
     def info(self) -> dict:
         info = {"version": self.server.version, "swaps": self.server.swaps, "poll_errors": self.server.poll_errors,
-                "up_s": time.time() - self.started_s}
+                "up_s": time.time() - self.started_s, "unavailable": self.server.unavailable}
         if self.server.trigger is not None:
             info.update(self.server.trigger.info())
         return info

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from deployments.launch import free_port
+from deployments.launch import free_port, is_serving
 from loadtests.stages import Stages, parse_stages
 from loadtests.summary import SLO, read_records, summarize
 
@@ -89,7 +89,7 @@ class Service:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        while (health := get_json(f"{self.url}/health", 5)) is None or health.get("status") != "ok":
+        while not is_serving(get_json(f"{self.url}/health", 5)):
             if self.proc.poll() is not None or time.monotonic() - t0 > timeout_s:
                 self.stop()
                 tail = log_path.read_text()[-2000:]

@@ -45,9 +45,11 @@ class LengthPredictor:
 
 
 class MaxPredictor(LengthPredictor):
-    """No prediction: every prompt gets the last bucket (reserve for max_tokens)."""
+    """No prediction: every prompt gets the last bucket (reserve for max_tokens). As the fallback for
+    a predictor that could not be loaded, ``unavailable`` says why (None when max was asked for)."""
 
     name = "max"
+    unavailable: str | None = None
 
     def predict(self, prompts: Sequence[str]) -> LengthPrediction:
         pred = self._from_buckets([self.buckets.num_buckets - 1] * len(prompts))

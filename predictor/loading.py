@@ -116,4 +116,6 @@ def load_predictor_or_max(name: str = "champion", buckets: LengthBuckets | None 
         return load_predictor(name, buckets, version=version, store=store)
     except Exception as exc:  # noqa: BLE001 - serving must come up without a predictor
         logger.error("length predictor %r unavailable (%s); falling back to max reservation", name, exc)
-        return load_predictor("max", buckets, version="max-fallback")
+        fallback = load_predictor("max", buckets, version="max-fallback")
+        fallback.unavailable = f"{name}: {type(exc).__name__}: {exc}"
+        return fallback

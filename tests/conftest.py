@@ -7,6 +7,8 @@ tests/model  the real SmolLM2 weights or the ShareGPT traces that `make prepare`
              ``model``, ``traces``); no Ray, MLflow, Locust or DeepSpeed rank processes.
 tests/e2e    Ray or Serve, MLflow, Locust, DeepSpeed's rank processes (markers ``ray``, ``mlflow``,
              ``locust``, ``deepspeed``), often with the model or traces too.
+tests/multinode  a Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), each
+             node with a data dir of its own (marker ``multinode``; the ``cluster`` fixture).
 
 A test's markers say what it needs (registered in pyproject.toml); the collection check below fails
 the run when a test sits in a tier its markers rule out, so a marker and a folder cannot drift apart.
@@ -16,17 +18,19 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-NEEDS = ("model", "traces", "ray", "mlflow", "locust", "deepspeed")
+NEEDS = ("model", "traces", "ray", "mlflow", "locust", "deepspeed", "multinode")
 # tier -> (markers a test there must carry at least one of, markers it must not carry)
 TIERS = {
     "unit": ((), NEEDS),
-    "model": (("model", "traces"), ("ray", "mlflow", "locust", "deepspeed")),
-    "e2e": (("ray", "mlflow", "locust", "deepspeed"), ()),
+    "model": (("model", "traces"), ("ray", "mlflow", "locust", "deepspeed", "multinode")),
+    "e2e": (("ray", "mlflow", "locust", "deepspeed"), ("multinode",)),
+    "multinode": (("multinode",), ()),
 }
 BLOCK_ENV = "FORESERVE_BLOCK_IMPORTS"
 
@@ -80,3 +84,67 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FORESERVE_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return home
+
+
+@dataclass
+class LocalCluster:
+    """A Ray cluster of several nodes on this machine: a head with no CPUs (it runs Serve's controller
+    and proxy and nothing else) and 1-CPU workers, each with a data dir of its own (``homes``: its
+    ``FORESERVE_HOME``, given through the node's environment; the driver's is not forwarded) that
+    holds the prepared model and nothing else, and a custom resource named after it that pins work
+    there (``{"node_b": 0.01}``)."""
+
+    cluster: object  # ray.cluster_utils.Cluster
+    homes: dict[str, Path]
+    address: str
+
+    @property
+    def head_ip(self) -> str:
+        return self.cluster.head_node.node_ip_address
+
+    def pin(self, node: str) -> dict:
+        """``ray_actor_options`` that place an actor (a Serve replica) on ``node``."""
+        return {"resources": {node: 0.01}}
+
+
+WORKERS = ("node_a", "node_b", "node_c")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A head and three worker nodes (``LocalCluster``), connected; shut down after the module."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from app import paths
+
+    root = tmp_path_factory.mktemp("cluster")
+    node_env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "MLFLOW_DISABLE_TELEMETRY": "true"}
+    homes = {}
+    for name in ("head", *WORKERS):
+        homes[name] = root / name
+        (homes[name] / "models").mkdir(parents=True)
+        (homes[name] / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # read-only, prepared once
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "disabled")
+    mp.delenv("RAY_ADDRESS", raising=False)
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "resources": {"head": 1}, "env_vars": {**node_env, "FORESERVE_HOME": str(homes["head"])}})
+    try:
+        for name in WORKERS:
+            cluster.add_node(num_cpus=1, resources={name: 1}, env_vars={**node_env, "FORESERVE_HOME": str(homes[name])})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield LocalCluster(cluster, homes, cluster.address)
+    finally:
+        try:
+            from ray import serve
+
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            mp.undo()

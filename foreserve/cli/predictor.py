@@ -1,8 +1,9 @@
-"""`foreserve predictor train|eval|promote|list|retrain|collect`: the length predictor and its MLflow registry."""
+"""`foreserve predictor train|eval|promote|list|retrain|collect|server`: the length predictor and its MLflow registry."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from app import paths
@@ -125,6 +126,28 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    import signal
+
+    from predictor.tracking_server import TrackingServer
+
+    server = TrackingServer(args.backend_store_uri, args.artifacts, host=args.host, port=args.port, workers=args.workers)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    url = server.start()
+    print(f"MLflow tracking server up: {url} (backend {args.backend_store_uri}, artifacts {args.artifacts})")
+    print(f"on every node that runs foreserve:  export MLFLOW_TRACKING_URI=http://<this host>:{args.port}", flush=True)
+    try:
+        while not stop and server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        exited = server.process is not None and server.process.poll() is not None
+        server.stop()
+    return 1 if exited else 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     pred = sub.add_parser("predictor", help="train, evaluate and promote the output-length predictor (MLflow)")
     ps = pred.add_subparsers(dest="predictor_command", required=True)
@@ -193,3 +216,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", metavar="OUT")
     c.set_defaults(func=cmd_collect)
 
+    sv = ps.add_parser("server", help="run the registry for a cluster: an MLflow tracking server that serves the artifacts",
+                       description="One registry every node reaches over HTTP: MLflow's tracking server on a backend "
+                       "store (PostgreSQL on a cluster; sqlite for a try-out) with the artifacts kept under --artifacts "
+                       "and served by the server, so no node reads another's disk. Runs until Ctrl-C or SIGTERM. "
+                       "Then export MLFLOW_TRACKING_URI=http://HOST:PORT before `foreserve prepare` and `foreserve "
+                       "serve`: the replicas get it too. docs/cluster.md shows the whole setup.")
+    sv.add_argument("--backend-store-uri", required=True, metavar="URI",
+                    help="where runs and versions live, e.g. postgresql://mlflow@db-host/mlflow")
+    sv.add_argument("--artifacts", required=True, metavar="DIR_OR_URI",
+                    help="where the server keeps the predictors' files: a folder on its host, or s3://bucket/prefix")
+    sv.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all, so other nodes reach it)")
+    sv.add_argument("--port", type=int, default=5000)
+    sv.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")
+    sv.set_defaults(func=cmd_server)

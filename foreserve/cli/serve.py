@@ -43,9 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from foreserve.prepare import prepare
 
         prepare()
-    url, took_s, config = start(args.config, args.host, args.port)
+    url, took_s, config = start(args.config, args.host, args.port, args.proxy_location)
     model = config.pools["online"].served_model_name
-    auth = bool(config.ingress.api_keys or os.environ.get("FORESERVE_API_KEYS"))
+    auth = bool(config.ingress.api_keys or os.environ.get("FORESERVE_API_KEYS") or os.environ.get("FORESERVE_API_KEY_SHA256"))
     print(f"\nforeserve is up at {url} in {took_s:.0f} s (model {model}; pools online + offline).\n"
           f"Prometheus metrics (ray_foreserve_*): {', '.join(metrics_urls())}\nTry:\n{examples(url, model, auth)}\n"
           "Ctrl-C stops it.", flush=True)
@@ -71,7 +71,9 @@ def add_parser(sub) -> None:
         "ready-to-paste example, and runs until Ctrl-C. Runs `foreserve prepare` first if the model is missing.",
     )
     p.add_argument("--config", help="Serve config file (default: the repository's serve_config.yaml)")
-    p.add_argument("--host", help="HTTP host (default: the config's http_options, 127.0.0.1)")
+    p.add_argument("--host", help="HTTP host (default: the config's http_options, 127.0.0.1; 0.0.0.0 when joining RAY_ADDRESS)")
+    p.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode", "Disabled"),
+                   help="where Serve runs HTTP proxies (default: the config's, HeadOnly; EveryNode when joining RAY_ADDRESS)")
     p.add_argument("--port", type=int, help="HTTP port (default: the config's http_options, 8000)")
     p.add_argument("--no-prepare", action="store_true", help="fail instead of preparing a missing model")
     p.add_argument("--exit-when-ready", action="store_true", help="stop once the first request could be served (startup timing)")

@@ -222,3 +222,46 @@ def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
     assert resumed["resume_output_token_ids"] == [11, 12] and resumed["resume_emitted_chars"] == 5
     assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["request_id"] == request.request_id
     assert broken.cancelled and not rest.cancelled and Metrics.resumes == 1
+
+
+class _Remote:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def remote(self):
+        async def answer():
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+        return answer()
+
+
+class _Handle:
+    def __init__(self, **methods) -> None:
+        for name, answer in methods.items():
+            setattr(self, name, _Remote(answer))
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")  # Serve's wrapper, never started
+@pytest.mark.parametrize(("predictor_info", "problems"), [
+    ({"version": "3", "unavailable": None}, []),
+    ({"version": "max-fallback", "unavailable": "champion: RegistryError: no champion version of length-predictor in "
+      "sqlite:////n2/mlflow/mlflow.db"}, ["predictor serves max reservation: champion: RegistryError: no champion version "
+                                          "of length-predictor in sqlite:////n2/mlflow/mlflow.db"]),
+    (TimeoutError(), ["predictor: TimeoutError"]),
+])
+def test_health_is_degraded_while_the_predictor_serves_without_its_champion(predictor_info, problems):
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    stats = {"num_running": 0, "num_waiting": 0, "kv_free_tokens": 100}
+    ingress.pools = {"online": _Handle(stats=stats), "offline": _Handle(stats=RuntimeError("replica died"))}
+    ingress.predictor = _Handle(info=predictor_info)
+    ingress._replica_states = lambda: {"online": {"RUNNING": 1}, "offline": {"RUNNING": 1}}
+    ingress.model_id, ingress.predictor_fallbacks = "m", 0
+    ingress.offline_gate = type("Gate", (), {"held_requests": 0})()
+    health = json.loads(asyncio.run(ingress.health()).body)
+    assert health["status"] == "degraded" and health["problems"] == ["pool offline: RuntimeError", *problems]
+    ingress.pools["offline"] = _Handle(stats=stats)
+    health = json.loads(asyncio.run(ingress.health()).body)
+    assert health["status"] == ("degraded" if problems else "ok") and health["problems"] == problems

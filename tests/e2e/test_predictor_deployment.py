@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.mlflow, pytest.mark.filterwarnings("i
 def test_fallback_then_hot_swap_to_each_new_champion(home: Path):
     server = LengthPredictorServer({"poll_s": 3600})  # polled by hand below
     try:
-        assert server.version == "max-fallback"
+        assert server.version == "max-fallback" and "no champion" in server.unavailable  # /health: degraded
         fallback = server.predict_batch(["hi"])[0]
         assert fallback["bound_tokens"] == NO_BOUND and fallback["rank_tokens"] is None  # no champion: reserve max_tokens
         train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
-        assert server.refresh() and server.version == "1" and server.swaps == 1
+        assert server.refresh() and server.version == "1" and server.swaps == 1 and server.unavailable is None
         assert not server.refresh()  # nothing new
         out = server.predict_batch(["say yes", "write a long essay about the sea"])
         assert [o["version"] for o in out] == ["1", "1"] and len(out[0]["probabilities"]) == 10

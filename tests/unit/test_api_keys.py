@@ -1,0 +1,34 @@
+"""API keys reach the replicas as SHA-256 digests only, and a presented key is checked against every
+digest in constant time (``app/api/keys.py``, ``deployments.launch.replica_env``)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from app.api.keys import ApiKeys, digest, split_list
+from deployments.launch import replica_env
+
+
+def test_keys_are_held_as_digests_and_checked_against_each():
+    keys = ApiKeys(["alpha", "beta"], [hashlib.sha256(b"gamma").hexdigest().upper()])
+    assert keys and all(keys.accepts(k) for k in ("alpha", "beta", "gamma"))
+    assert not any(keys.accepts(k) for k in ("", "alph", "alpha ", "ALPHA", digest("alpha")))
+    assert "alpha" not in repr(vars(keys))
+    assert not ApiKeys() and not ApiKeys([], [])
+    with pytest.raises(ValueError, match="64 hex digits"):
+        ApiKeys(digests=["not-a-digest"])
+    assert split_list(" a, ,b ,") == ["a", "b"] and split_list(None) == []
+
+
+def test_the_replicas_get_digests_never_the_keys(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FORESERVE_API_KEYS", "sk-one, sk-two")
+    monkeypatch.setenv("FORESERVE_HOME", "/data/foreserve")
+    monkeypatch.delenv("FORESERVE_API_KEY_SHA256", raising=False)
+    env = replica_env(joined=False)
+    assert "FORESERVE_API_KEYS" not in env and "sk-one" not in str(env) and env["FORESERVE_HOME"] == "/data/foreserve"
+    assert env["FORESERVE_API_KEY_SHA256"].split(",") == [digest("sk-one"), digest("sk-two")]
+    assert ApiKeys(digests=env["FORESERVE_API_KEY_SHA256"].split(",")).accepts("sk-two")
+    joined = replica_env(joined=True)  # every node of a cluster keeps its own data dir
+    assert "FORESERVE_HOME" not in joined and joined["FORESERVE_API_KEY_SHA256"] == env["FORESERVE_API_KEY_SHA256"]
