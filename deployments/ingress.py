@@ -39,8 +39,8 @@ from app.engine.request import Prediction, SamplingParams
 from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
+from deployments.health import report as health_report
 from deployments.http_errors import install_error_handlers
-from deployments.launch import PREDICTOR_UNAVAILABLE
 from deployments.pool_gate import GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -94,41 +94,11 @@ class Ingress:
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """``ok`` when the predictor and both pools answer within 5 s (a pool the autoscaler scaled to
-        zero counts as up) and the predictor serves what it was configured to (the champion), else
-        ``degraded`` with ``problems`` saying what failed (a busy pool can be slow to answer: the
-        ingress itself is up, so always 200); with each pool's running replicas. The
-        first call also warms the handles' routing, so the first chat request does not pay it."""
-        async def ask(call, timeout_s: float = 5.0):
-            try:
-                return await asyncio.wait_for(call, timeout_s)
-            except Exception as exc:  # noqa: BLE001 - reported, not raised
-                return {"error": type(exc).__name__}
-
-        states = await ask(asyncio.to_thread(self._replica_states))
-        # NOTE: a pool with no running replica (scaled to zero, or scaling from zero) is not asked: a
-        # call would queue at its handle and make Serve start a replica (its cold-start rule), undoing
-        # the autoscaler's decision. While deploying (UPDATING) it is asked, so startup waits for it.
-        idle = {name for name, s in states.items() if s and s.get("status") != "UPDATING" and not s.get("RUNNING")} \
-            if "error" not in states else set()
-        pools = {name: {"num_running": 0, "num_waiting": 0} if name in idle else await ask(handle.stats.remote())
-                 for name, handle in self.pools.items()}
-        predictor = await ask(self.predictor.info.remote())
-        problems = [f"pool {name}: {p['error']}" for name, p in pools.items() if "error" in p]
-        if "error" in predictor:
-            problems.append(f"predictor: {predictor['error']}")
-        elif predictor.get("unavailable"):
-            # NOTE: it answers, reserving for max_tokens, but not with the champion: a registry on
-            # another node's disk or down, no champion yet, a broken version
-            problems.append(f"{PREDICTOR_UNAVAILABLE}: {predictor['unavailable']}")
-        keys = ("error", "kv_free_tokens", "num_running", "num_waiting", "preemptions", "recomputed_tokens")
-        return JSONResponse({
-            "status": "degraded" if problems else "ok", "problems": problems, "model": self.model_id,
-            "predictor": predictor, "predictor_fallbacks": self.predictor_fallbacks,
-            "pools": {name: {k: p[k] for k in keys if k in p} for name, p in pools.items()},
-            "replicas": {name: s.get("RUNNING", 0) for name, s in states.items()} if "error" not in states else states,
-            "held_flex_requests": self.offline_gate.held_requests,
-        })
+        """``deployments/health.py``; always 200 (the ingress itself is up). The first call also warms
+        the handles' routing, so the first chat request does not pay it."""
+        report = await health_report(self._replica_states, self.pools, self.predictor)
+        return JSONResponse({**report, "model": self.model_id, "predictor_fallbacks": self.predictor_fallbacks,
+                             "held_flex_requests": self.offline_gate.held_requests})
 
     def _replica_states(self) -> dict[str, dict[str, int]]:
         return replica_states(self.batches.app_name, self.pools)

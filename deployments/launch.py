@@ -16,9 +16,7 @@ from pathlib import Path
 from app import paths
 from app.api.keys import digest, split_list
 from app.runtime_env import SERVE_ENV, env_vars
-
-
-PREDICTOR_UNAVAILABLE = "predictor serves max reservation"  # a /health problem: it answers, without its champion
+from deployments.health import is_serving
 
 
 def free_port() -> int:
@@ -26,15 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def is_serving(health: dict | None) -> bool:
-    """A ``/health`` answer of a service that serves: ``ok``, or ``degraded`` only because the
-    predictor serves max reservation (no champion yet, a registry it cannot read)."""
-    if not health:
-        return False
-    problems = health.get("problems") or []
-    return health.get("status") == "ok" or (bool(problems) and all(p.startswith(PREDICTOR_UNAVAILABLE) for p in problems))
 
 
 def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> dict:
@@ -120,6 +109,28 @@ def head_address() -> str:
     raise RuntimeError("no live head node in this Ray cluster")
 
 
+def check_replicas_fit_a_node(deployments: list[dict], nodes: list[dict]) -> None:
+    """Every deployment whose replica must sit on one node (``placement_group_strategy: STRICT_PACK``,
+    a tensor-parallel pool: the replica's bundle and one per rank) needs a node that holds all its
+    bundles; else Serve would wait for it forever. ``nodes``: ``ray.nodes()``."""
+    capacity = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    for deployment in deployments:
+        bundles = deployment.get("placement_group_bundles") or []
+        if len(bundles) < 2 or deployment.get("placement_group_strategy") != "STRICT_PACK":
+            continue
+        need: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                need[key] = need.get(key, 0.0) + amount
+        if not any(all(node.get(key, 0.0) >= amount - 1e-9 for key, amount in need.items()) for node in capacity):
+            largest = max(capacity, key=lambda node: node.get("CPU", 0.0), default={})
+            have = {k: largest.get(k, 0.0) for k in need}
+            raise RuntimeError(
+                f"deployment {deployment.get('name')!r} packs its replica and tensor-parallel ranks on one node "
+                f"(STRICT_PACK) and needs {need}, but no node of this cluster has that much (the largest has {have}): "
+                "lower tensor_parallel_size or the bundles, or add a bigger node")
+
+
 def start(config_path: str | None = None, host: str | None = None, port: int | None = None,
           proxy_location: str | None = None):
     """Start Ray (local, or join the cluster at ``RAY_ADDRESS``) and deploy the app; returns (url,
@@ -161,7 +172,9 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     )
     # NOTE: the dashboard serves the Jobs API that batch jobs (and /v1/batches) are submitted to
     ray.init(runtime_env={"env_vars": env}, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
-    check_registry_reachable_from_every_node(sum(1 for n in ray.nodes() if n.get("Alive")), paths.predictor_store().uri())
+    nodes = ray.nodes()
+    check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
+    check_replicas_fit_a_node(entry.get("deployments") or [], nodes)
     serve.start(proxy_location=proxy_location, http_options=http)
     client = _get_global_client()
     client.deploy_apps(schema, _blocking=False)

@@ -6,6 +6,8 @@ SmolLM2 has 9 query heads and 3 KV heads; AutoTP splits them by whole KV-head gr
 
 from __future__ import annotations
 
+import glob
+
 import os
 import signal
 
@@ -35,7 +37,7 @@ def _seqs(prompts: list[list[int]]) -> list[Seq]:
 
 def test_tp2_matches_tp1_and_shuts_down_cleanly():
     from app.engine.model.hf_runner import HFRunner
-    from app.engine.parallel.tp import TPGroupError, TPRunner, _shm_path
+    from app.engine.parallel.tp import TPGroupError, TPRunner, shm_path
 
     import torch
 
@@ -73,7 +75,7 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly():
         assert not p.is_alive()
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
-    assert not any(os.path.exists(_shm_path(tp2.master_port, r)) for r in range(2))
+    assert not any(os.path.exists(shm_path("127.0.0.1", tp2.master_port, r)) for r in range(2))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -106,6 +108,7 @@ def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path)
     (home / "models").mkdir(parents=True)
     (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"FORESERVE_HOME": str(home), "HF_HUB_OFFLINE": "1"}})
+    shm_before = set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"))
     try:
         app = EngineServerDeployment.options(
             name="online", ray_actor_options={"num_cpus": 0},
@@ -119,6 +122,8 @@ def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path)
 
         items = asyncio.run(collect())
         assert "".join(i["text"] for i in items) == expected and items[-1]["completion_tokens"] == expected_tokens
+        # the ranks named their shm buffers after the node's address (MASTER_ADDR) and unlinked them
+        assert set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*")) <= shm_before
         groups = [g for g in ray.util.placement_group_table().values() if len(g["bundles"]) == 3]
         assert len(groups) == 1 and groups[0]["state"] == "CREATED"
         assert ray.available_resources().get("CPU", 0) <= 2 - 1.1 + 1e-6  # replica + 2 rank bundles reserved

@@ -3,8 +3,10 @@
 Inside Ray (a Serve replica, a Ray Data actor) the ranks are Ray actors, so Ray places and
 accounts for them: each goes into its own bundle of the replica's placement group (Serve's
 ``placement_group_bundles``: bundle 0 for the replica, one per rank after it; on GPUs give each
-rank bundle ``GPU: 1`` and Ray sets the rank's CUDA_VISIBLE_DEVICES). Without a placement group
-the ranks take no Ray resources. Every step, the driver puts the ``SchedulerOutput`` in the
+rank bundle ``GPU: 1`` and Ray sets the rank's CUDA_VISIBLE_DEVICES). The ranks share the
+replica's node (one shared-memory all-reduce): the group's strategy must be ``STRICT_PACK``, else
+the runner refuses at once, and every rank's node is checked when it starts. Without a placement
+group the ranks take no Ray resources and are pinned to the replica's node. Every step, the driver puts the ``SchedulerOutput`` in the
 object store once and every rank runs its shard; rank 0 samples. Same contract as ``TPRunner``
 (the process-based group used outside Ray) and the same rank code (``tp.build_rank_runner``).
 """
@@ -29,11 +31,21 @@ class RankWorker:
         self.runner = build_rank_runner(rank, world, config, num_blocks, master_port)
 
     def info(self) -> dict:
-        return {"num_heads": self.runner.num_heads, "num_kv_heads": self.runner.num_kv_heads, "pid": os.getpid()}
+        import ray
+
+        return {"num_heads": self.runner.num_heads, "num_kv_heads": self.runner.num_kv_heads, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[int] | None:
         out = self.runner.execute(scheduler_output, sample=self.rank == 0)
         return out.sampled_token_ids if self.rank == 0 else None
+
+
+def check_strategy(strategy: str, world: int) -> None:
+    """Ranks of one replica must share its node: refuse a placement group that may spread them."""
+    if strategy != "STRICT_PACK":
+        raise ValueError(f"tensor_parallel_size {world} needs every rank on the replica's node, but its placement group's "
+                         f"strategy is {strategy}: set the pool's placement_group_strategy to STRICT_PACK")
 
 
 class RayTPRunner(Runner):
@@ -41,16 +53,19 @@ class RayTPRunner(Runner):
 
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        world, threads = setup_driver(self, config, num_blocks)
         pg = ray.util.get_current_placement_group()
+        if pg is not None:  # NOTE: before anything starts: a spread group would hang the ranks' rendezvous
+            check_strategy(ray.util.placement_group_table(pg)["strategy"], config.tensor_parallel_size)
+        world, threads = setup_driver(self, config, num_blocks)
+        node_id = ray.get_runtime_context().get_node_id()
         first = 0
         if pg is not None:
             first = len(pg.bundle_specs) - world  # the replica's own bundle (if any) comes first
             if first < 0:
                 raise ValueError(f"the placement group has {len(pg.bundle_specs)} bundles; tensor_parallel_size {world} needs one per rank")
-        master_addr, port = ray.util.get_node_ip_address(), _free_port()
+        self.master_addr, self.master_port = master_addr, port = ray.util.get_node_ip_address(), _free_port()
         base_env = env_vars(PROCESS_ENV)  # NOTE: an actor's runtime_env replaces its parent's env_vars
         worker = ray.remote(RankWorker)
         self._actors = []
@@ -62,10 +77,12 @@ class RayTPRunner(Runner):
                 options.update(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank))
             else:
-                options.update(num_cpus=0)
+                options.update(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             self._actors.append(worker.options(**options).remote(rank, world, self.config, num_blocks, port))
         try:
             self.rank_info = self._gather([a.info.remote() for a in self._actors], STARTUP_TIMEOUT_S)
+            if elsewhere := [r for r, info in enumerate(self.rank_info) if info["node_id"] != node_id]:
+                raise TPGroupError(f"tensor-parallel ranks {elsewhere} started on another node than the replica's")
         except BaseException:
             self.shutdown()
             raise

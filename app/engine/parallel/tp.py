@@ -58,9 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shm_path(port: int, rank: int) -> str:
-    # NOTE: DeepSpeed's shm all-reduce creates these and never unlinks them (69 MB each).
-    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
+def shm_path(master_addr: str, port: int, rank: int) -> str:
+    """The buffer DeepSpeed's CPU shm all-reduce creates for ``rank`` (named after MASTER_ADDR and
+    MASTER_PORT) and never unlinks (69 MB each): the ranks unlink theirs once all have mapped them."""
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{master_addr}_{port}_{rank}"
 
 
 def _unlink(path: str) -> None:
@@ -110,7 +111,7 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
     )
     runner = HFRunner(config, num_blocks, model=engine.module, with_tokenizer=False)
     torch.distributed.barrier()  # every rank has mapped every shm buffer: the names can go
-    _unlink(_shm_path(master_port, rank))
+    _unlink(shm_path(os.environ["MASTER_ADDR"], master_port, rank))
     return runner
 
 
@@ -212,7 +213,7 @@ class TPRunner(Runner):
             child_end.close()
             self._procs.append(p)
             self._conns.append(parent_end)
-        shm = [_shm_path(port, r) for r in range(world)]
+        shm = [shm_path("127.0.0.1", port, r) for r in range(world)]
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, shm)
         try:
             self.rank_info = self._collect(STARTUP_TIMEOUT_S)
