@@ -67,6 +67,18 @@ def plan_batches(rows: list[dict], batch_size: int, engines: int) -> list[list[d
     return [batch for batch in (rows[i::engines] for i in range(engines)) if batch]
 
 
+def engine_resources(engine: EngineConfig, engine_cpus: float, cluster_gpus: float) -> dict[str, float]:
+    """Ray resources of one engine actor: ``engine_cpus`` per rank, and its GPU when the engine runs
+    on CUDA (``device`` cuda, or auto on a cluster with GPUs), so that Ray places it on a GPU node
+    and hands it that GPU."""
+    on_gpu = engine.device.startswith("cuda") or (engine.device == "auto" and cluster_gpus > 0)
+    if on_gpu and engine.tensor_parallel_size > 1:
+        raise ValueError("a batch engine with tensor_parallel_size > 1 on GPUs needs its ranks in a placement group, "
+                         "which batch jobs do not make yet: use --backend serve (the offline pool's placement group) "
+                         "or tensor_parallel_size 1")
+    return {"num_cpus": engine_cpus * engine.tensor_parallel_size, "num_gpus": 1.0 if on_gpu else 0.0}
+
+
 def start_workers(backend: str, count: int, engine: EngineConfig, out_dir: Path, engine_cpus: float, app_name: str) -> list:
     """The job's generation actors: ``EngineStage`` (an engine each) or one ``ServeStage``.
 
@@ -79,8 +91,8 @@ def start_workers(backend: str, count: int, engine: EngineConfig, out_dir: Path,
     if backend == "serve":
         actor = ray.remote(ServeStage).options(num_cpus=0.05, max_restarts=-1, max_task_retries=-1)
         return [actor.remote(**stage, app_name=app_name)]
-    actor = ray.remote(EngineStage).options(num_cpus=engine_cpus * engine.tensor_parallel_size,
-                                            max_restarts=-1, max_task_retries=-1)
+    resources = engine_resources(engine, engine_cpus, ray.cluster_resources().get("GPU", 0.0))
+    actor = ray.remote(EngineStage).options(**resources, max_restarts=-1, max_task_retries=-1)
     return [actor.remote(**stage) for _ in range(count)]
 
 

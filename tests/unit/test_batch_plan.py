@@ -1,8 +1,12 @@
-"""How a batch job cuts its predicted rows into engine batches (``foreserve.batch.job.plan_batches``)."""
+"""How a batch job cuts its predicted rows into engine batches (``foreserve.batch.job.plan_batches``), and what
+Ray resources its engine actors ask for (``engine_resources``)."""
 
 from __future__ import annotations
 
-from foreserve.batch.job import plan_batches
+import pytest
+
+from app.config import EngineConfig
+from foreserve.batch.job import engine_resources, plan_batches
 
 
 def _rows(bounds: list[int]) -> list[dict]:
@@ -29,3 +33,12 @@ def test_every_row_is_planned_exactly_once():
     for batch_size, engines in [(7, 1), (7, 3), (64, 2), (256, 1)]:
         lines = sorted(r["line"] for b in plan_batches(rows, batch_size, engines) for r in b)
         assert lines == list(range(1, 101))
+
+
+def test_batch_engines_ask_ray_for_their_gpu_on_cuda():
+    assert engine_resources(EngineConfig(), 1.0, cluster_gpus=0) == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert engine_resources(EngineConfig(), 0.5, cluster_gpus=8) == {"num_cpus": 0.5, "num_gpus": 1.0}  # auto on a GPU cluster
+    assert engine_resources(EngineConfig(device="cuda:0"), 1.0, cluster_gpus=0) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert engine_resources(EngineConfig(device="cpu", tensor_parallel_size=2), 1.0, cluster_gpus=8) == {"num_cpus": 2.0, "num_gpus": 0.0}
+    with pytest.raises(ValueError, match="placement group"):
+        engine_resources(EngineConfig(device="cuda", tensor_parallel_size=2), 1.0, cluster_gpus=8)
