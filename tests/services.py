@@ -7,19 +7,14 @@ import contextlib
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from deployments.launch import free_port  # noqa: F401 - the tests take it from here too
+
 PG_VERSION = "15"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pg_bin() -> Path:
