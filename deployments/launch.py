@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -17,13 +16,6 @@ from app import paths
 from app.api.keys import digest, split_list
 from app.runtime_env import SERVE_ENV, env_vars
 from deployments.health import is_serving
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a service started on the side)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> dict:

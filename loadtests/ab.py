@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.launch import free_port
+from app.ports import free_port
 from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, get_json, served_model
 from loadtests.summary import SLO
 

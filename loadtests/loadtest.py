@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from deployments.health import is_serving
-from deployments.launch import free_port
+from app.ports import free_port
 from loadtests.stages import Stages, parse_stages
 from loadtests.summary import SLO, read_records, summarize
 

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from deployments.launch import free_port  # noqa: F401 - the tests take it from here too
+from app.ports import free_port
 
 PG_VERSION = "15"
 

@@ -10,7 +10,7 @@ import time
 
 # NOTE: starting Ray and deploying the app is the deployments' (the load tests start it too);
 # re-exported here for the callers of ``foreserve.cli.serve``
-from deployments.launch import application_schema, free_port, metrics_urls, start, wait_ready  # noqa: F401
+from deployments.launch import application_schema, metrics_urls, start, wait_ready  # noqa: F401
 from deployments.launch import stop as _stop
 
 

@@ -81,7 +81,8 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
 
     from app.config import APP_NAME, DEFAULT_CONFIG_PATH
     from autoscale.decisions import default_log_path, read_decisions
-    from deployments.launch import free_port, start, stop
+    from app.ports import free_port
+    from deployments.launch import start, stop
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="foreserve-burst-"))
     cfg = burst_config(Path(config) if config else DEFAULT_CONFIG_PATH, work / "serve_config.yaml", ttft_slo_ms, calm_s)

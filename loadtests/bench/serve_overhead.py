@@ -44,7 +44,8 @@ def _one(client, url: str, model: str, max_tokens: int) -> tuple[str, float, lis
 def run(requests: int = 20, max_tokens: int = 32, config: str | None = None) -> dict:
     from ray import serve
 
-    from deployments.launch import free_port, start, stop
+    from app.ports import free_port
+    from deployments.launch import start, stop
 
     port = free_port()
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app import paths
-from foreserve.cli.serve import free_port
+from app.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from foreserve.cli.serve import free_port
+from app.ports import free_port
 from loadtests.loadtest import ROOT, LoadSpec, _measure, build_workload, get_json
 from loadtests.summary import SLO
 

@@ -44,7 +44,8 @@ def _config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    from foreserve.cli.serve import _stop, free_port, start
+    from app.ports import free_port
+    from foreserve.cli.serve import _stop, start
     from predictor import registry
     from predictor.training.pipeline import train_and_register
     from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN

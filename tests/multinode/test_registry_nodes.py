@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from app.ports import free_port
 from deployments.launch import check_registry_reachable_from_every_node
 from predictor.store import Store
 from predictor.training.pipeline import train_and_register
-from tests.services import free_port, postgres
+from tests.services import postgres
 from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow,

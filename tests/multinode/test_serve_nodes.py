@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from app import paths
+from app.ports import free_port
 from predictor.tracking_server import TrackingServer
-from tests.services import free_port
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

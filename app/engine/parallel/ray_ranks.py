@@ -19,8 +19,9 @@ import time
 from app.config import EngineConfig
 from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from app.engine.runner import Runner
+from app.ports import free_port
 from app.runtime_env import PROCESS_ENV, env_vars
-from app.engine.parallel.tp import STARTUP_TIMEOUT_S, TPGroupError, _free_port, build_rank_runner, rank_env, setup_driver
+from app.engine.parallel.tp import STARTUP_TIMEOUT_S, TPGroupError, build_rank_runner, rank_env, setup_driver
 
 
 class RankWorker:
@@ -65,7 +66,7 @@ class RayTPRunner(Runner):
             first = len(pg.bundle_specs) - world  # the replica's own bundle (if any) comes first
             if first < 0:
                 raise ValueError(f"the placement group has {len(pg.bundle_specs)} bundles; tensor_parallel_size {world} needs one per rank")
-        self.master_addr, self.master_port = master_addr, port = ray.util.get_node_ip_address(), _free_port()
+        self.master_addr, self.master_port = master_addr, port = ray.util.get_node_ip_address(), free_port()
         base_env = env_vars(PROCESS_ENV)  # NOTE: an actor's runtime_env replaces its parent's env_vars
         worker = ray.remote(RankWorker)
         self._actors = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import threading
 import time
 import traceback
@@ -25,6 +24,7 @@ from multiprocessing import connection
 from app.config import EngineConfig
 from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from app.engine.runner import Runner
+from app.ports import free_port
 
 STARTUP_TIMEOUT_S = 900.0
 ERROR_GRACE_S = 30.0  # after one rank fails, how long the others get to answer
@@ -50,12 +50,6 @@ def _environ(updates: dict[str, str]):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shm_path(master_addr: str, port: int, rank: int) -> str:
@@ -200,7 +194,7 @@ class TPRunner(Runner):
         import torch.multiprocessing as mp
 
         world, threads = setup_driver(self, config, num_blocks)
-        self.master_port = port = _free_port()
+        self.master_port = port = free_port()
         ctx = mp.get_context("spawn")
         self._procs, self._conns = [], []
         for rank in range(world):
