@@ -180,6 +180,10 @@ class AppConfig(BaseModel):
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="HTTP front door settings.")
     pools: dict[Literal["online", "offline"], EngineConfig] = Field(description="One engine config per pool: online and offline.")
     predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="The length predictor and its retraining.")
+    store: str = Field("", description="Where foreserve keeps mutable state every node must see (feedback, batch files, "
+                       "records, parts and results): a folder or a URI pyarrow.fs opens, e.g. "
+                       "s3://bucket/foreserve?endpoint_override=host:9000&scheme=http (credentials from the nodes' "
+                       "environment). Empty: $FORESERVE_STORE, else the data dir (one machine; see docs/cluster.md).")
 
     @model_validator(mode="after")
     def _both_pools(self) -> "AppConfig":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from predictor.object_store import ObjectStore
 from predictor.store import Store
 
 
@@ -28,9 +29,20 @@ def reports_dir() -> Path:
     return home() / "reports"
 
 
+def store(uri: str | None = None) -> ObjectStore:
+    """foreserve's store for mutable state (``AppConfig.store``): ``uri``, else ``$FORESERVE_STORE``,
+    else the data dir. Every node of a cluster must be given the same one (docs/cluster.md)."""
+    return ObjectStore(uri or os.environ.get("FORESERVE_STORE") or home())
+
+
 def feedback_dir() -> Path:
-    """The feedback store: one record per finished request (the engines write, retraining reads)."""
+    """The data dir's feedback folder (where ``feedback_store()`` is on one machine)."""
     return home() / "feedback"
+
+
+def feedback_store(uri: str | None = None) -> ObjectStore:
+    """The feedback records: one per finished request (the engines write, retraining reads)."""
+    return store(uri).child("feedback")
 
 
 def predictor_store() -> Store:

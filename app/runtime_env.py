@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 # Every child: the same data dir and registry, an offline hub, quiet tokenizers, no telemetry.
 PROCESS_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "MLFLOW_DISABLE_TELEMETRY",
-               "MLFLOW_TRACKING_URI")
+               "MLFLOW_TRACKING_URI", "FORESERVE_STORE")
 # Serve replicas also get the API keys' digests (never the keys: deployments.launch turns
 # FORESERVE_API_KEYS into FORESERVE_API_KEY_SHA256) and the step trace switch.
 SERVE_ENV = PROCESS_ENV + ("FORESERVE_API_KEY_SHA256", "FORESERVE_STEP_TRACE")

@@ -26,11 +26,11 @@ def build_app(args: dict) -> Application:
     (serve_config.yaml's ``args``)."""
     config = AppConfig.model_validate(args)
     predictor_config = config.predictor.model_dump(mode="json")
-    predictor = PredictorDeployment.options(user_config=predictor_config).bind(predictor_config)
+    predictor = PredictorDeployment.options(user_config=predictor_config).bind(predictor_config, config.store)
     router = RequestRouterConfig(request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     pools = {
         pool: EngineServerDeployment.options(name=pool, request_router_config=router).bind(
-            pool, config.pools[pool].model_dump(mode="json")
+            pool, config.pools[pool].model_dump(mode="json"), config.store
         )
         for pool in POOLS
     }

@@ -4,13 +4,14 @@ Each replica owns one ``LLMEngine`` (and, with ``tensor_parallel_size > 1``, its
 an ``AsyncLLMEngine``. ``generate`` streams plain dicts through a streaming DeploymentHandle; a
 caller that stops iterating aborts the request, which frees its KV blocks. A request the engine
 can never run comes back as one ``{"error": ...}`` item (typed, so it survives the process hop).
-Every finished request appends its feedback record. ``record_routing_stats`` publishes what the
+Every finished request's feedback record goes to the store, flushed in the background. ``record_routing_stats`` publishes what the
 KV-aware router and the autoscaling policies need, and refreshes the pool's Prometheus gauges.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +27,9 @@ from app.engine.request import EngineRequest, Prediction, SamplingParams
 from app.runtime_env import process_defaults, traced
 from predictor.buckets import LengthBuckets
 
+logger = logging.getLogger("ray.serve")
+
+FEEDBACK_FLUSH_S = 1.0  # feedback reaches the store this often (a killed replica loses at most this much)
 LATENCY_WINDOW_S = 30.0  # recent_ttft_ms_p90 / recent_tpot_ms_p90 cover requests finished this recently
 
 
@@ -69,14 +73,16 @@ class PredictionWindow:
 class EngineServer:
     """Plain class (usable without Serve); ``EngineServerDeployment`` wraps it."""
 
-    def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None) -> None:
+    def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None, store: str = "") -> None:
         from predictor.feedback import FeedbackWriter
 
         process_defaults()  # NOTE: a replica started by `serve run` has none of the CLI's settings
 
         self.pool = pool
         self.config = traced(load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine))
-        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter(paths.feedback_dir()))
+        # NOTE: feedback goes to the store from a background thread: a finished request never waits on it
+        self.feedback = FeedbackWriter(paths.feedback_store(store), flush_s=FEEDBACK_FLUSH_S)
+        self.engine = LLMEngine.from_config(self.config, feedback=self.feedback)
         self.aengine = AsyncLLMEngine(self.engine)
         self.window = PredictionWindow(self.engine.buckets)
         # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
@@ -187,16 +193,20 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
+        try:
+            self.feedback.close()  # what the last second finished
+        except Exception:  # noqa: BLE001 - the store is gone: the records are lost, the shutdown is not
+            logger.exception("could not store the last feedback records")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class EngineServerDeployment:
     """Bind with ``(pool, engine_config_dict)``; call ``handle.options(stream=True).generate``."""
 
-    def __init__(self, pool: str = "online", engine: dict | None = None) -> None:
+    def __init__(self, pool: str = "online", engine: dict | None = None, store: str = "") -> None:
         from deployments.metrics import PoolMetrics
 
-        self.server = EngineServer(pool, engine)
+        self.server = EngineServer(pool, engine, store)
         self.metrics = PoolMetrics(pool)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:

@@ -86,6 +86,25 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def s3_uri() -> str:
+    """The URI of a bucket on a real S3-compatible server process (moto), shared by the session."""
+    from tests.services import s3_server
+
+    with s3_server() as uri:
+        yield uri
+
+
+@pytest.fixture(params=["local", "s3"])
+def object_store(request: pytest.FixtureRequest, tmp_path: Path):
+    """A fresh, empty ``ObjectStore``: a local folder, and a prefix of its own on the S3 server."""
+    from predictor.object_store import ObjectStore
+
+    if request.param == "local":
+        return ObjectStore(tmp_path / "store")
+    return ObjectStore(request.getfixturevalue("s3_uri")).child(f"t-{tmp_path.name}")
+
+
 @dataclass
 class LocalCluster:
     """A Ray cluster of several nodes on this machine: a head with no CPUs (it runs Serve's controller

@@ -1,5 +1,6 @@
 """Real servers a test starts for itself and stops after: PostgreSQL (Debian's ``postgresql``, installed
-when missing) in a private data folder on a free port, for MLflow's tracking server."""
+when missing) in a private data folder on a free port, for MLflow's tracking server; an S3-compatible
+object store (moto's server) for foreserve's store."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +61,46 @@ def postgres(database: str = "mlflow") -> Iterator[str]:
     finally:
         _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"])
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# What a node needs in its environment to open the test bucket (pyarrow reads AWS credentials from
+# the environment, never from the URI): dummy keys moto accepts.
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "foreserve") -> Iterator[str]:
+    """An S3-compatible server (moto's server mode, the stand-in Ray's own tests use) on a free
+    port of 127.0.0.1, ``bucket`` created; yields the store URI of that bucket with its endpoint.
+    ``S3_ENV`` is set in this process while it runs; other processes and nodes need it too."""
+    port = free_port()
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
+    log = tempfile.NamedTemporaryFile(prefix="foreserve-s3-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start: {Path(log.name).read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        uri = (f"s3://{bucket}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+               "&allow_bucket_creation=true")
+        import pyarrow.fs as pafs
+
+        pafs.FileSystem.from_uri(uri)[0].create_dir(bucket)
+        yield uri
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        os.unlink(log.name)

@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.api.errors import from_validation_error
 from app.api.schemas import ChatCompletionRequest
-from predictor.feedback import FeedbackWriter, scan_jsonl
+from predictor.feedback import FeedbackWriter
+from predictor.records import read_records
 
 CHAT_URL = "/v1/chat/completions"
 STATUS_FILE = "status.json"  # a job's state and summary, in its output directory
@@ -145,7 +146,7 @@ class ResultStore:
     def answered(self) -> dict[int, ResultRow]:
         """The first answer of every input line some part holds (what a resumed job skips)."""
         first: dict[int, ResultRow] = {}
-        for row in scan_jsonl(self.parts, ResultRow)[0]:
+        for row in read_records(self.parts, ResultRow)[0]:
             first.setdefault(row.line, row)  # NOTE: a row answered twice (a retried worker) counts once
         return first
 

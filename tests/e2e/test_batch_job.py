@@ -62,7 +62,8 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
 
     from foreserve.batch.job import run_job
     from app.batch.io import ResultStore, ResultRow
-    from predictor.feedback import read_feedback, scan_jsonl
+    from predictor.feedback import read_feedback
+    from predictor.records import read_records
 
     env = _home(tmp_path, monkeypatch)
     home = Path(env["FORESERVE_HOME"])
@@ -93,7 +94,7 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
 
         # a job stopped after some rows: drop two answered rows from the parts, resubmit, get them back once
         store = ResultStore(out)
-        kept = [r for r in scan_jsonl(store.parts, ResultRow)[0] if r.line not in (4, 6)]
+        kept = [r for r in read_records(store.parts, ResultRow)[0] if r.line not in (4, 6)]
         for part in store.parts.glob("*.jsonl"):
             part.unlink()
         store.writer().append_many(kept)
@@ -136,9 +137,9 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
         assert summary["rows"] == 6
         _once(Path(summary["results"]), 6)
         from app.batch.io import ResultRow
-        from predictor.feedback import scan_jsonl
+        from predictor.records import read_records
 
-        written = [r.line for r in scan_jsonl(ResultStore(out).parts, ResultRow)[0]]
+        written = [r.line for r in read_records(ResultStore(out).parts, ResultRow)[0]]
         assert sorted(written) == list(range(1, 7))  # the retried batch skipped the rows already written
     finally:
         ray.shutdown()
