@@ -145,3 +145,18 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.uri!r})"
+
+
+def object_at(uri: str | Path) -> tuple[ObjectStore, str]:
+    """The store holding the single object at ``uri``, and its key:
+    ``s3://bucket/jobs/in.jsonl?endpoint_override=…`` → (``ObjectStore("s3://bucket/jobs?endpoint_override=…")``,
+    ``"in.jsonl"``); a local path → (its folder, its name)."""
+    text = str(uri)
+    if "://" not in text:
+        path = Path(text).expanduser().absolute()
+        return ObjectStore(path.parent), path.name
+    base, sep, query = text.partition("?")
+    parent, _, name = base.rstrip("/").rpartition("/")
+    if not name or parent.endswith(":/"):
+        raise ValueError(f"{uri}: not the URI of an object (a bucket or folder, then its name)")
+    return ObjectStore(f"{parent}{sep}{query}"), name

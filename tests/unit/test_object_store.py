@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from predictor.object_store import ObjectStore
+from predictor.object_store import ObjectStore, object_at
 from predictor.records import ChunkWriter, read_records
 
 
@@ -127,3 +127,14 @@ def test_unreadable_lines_are_skipped_and_counted(tmp_path: Path) -> None:
     store.put("notes.txt", b"ignored")
     rows, skipped = read_records(store, Row)
     assert [r.n for r in rows] == [1] and skipped == 3
+
+
+def test_object_at_splits_a_uri_into_its_store_and_key(tmp_path: Path, object_store: ObjectStore) -> None:
+    store, key = object_at("s3://bucket/jobs/in.jsonl?endpoint_override=h:1&scheme=http")
+    assert (store.uri, key) == ("s3://bucket/jobs?endpoint_override=h:1&scheme=http", "in.jsonl")
+    assert object_at(tmp_path / "a.jsonl") == (ObjectStore(tmp_path), "a.jsonl")
+    with pytest.raises(ValueError):
+        object_at("s3://bucket")
+    object_store.put("in/x.jsonl", b"{}\n")
+    store, key = object_at(object_store.child("in", "x.jsonl").uri)
+    assert store.get(key) == b"{}\n"
