@@ -6,12 +6,12 @@ version beside the old one and swaps one reference; requests in flight finish on
 Without a usable champion it answers with ``max`` reservation (version ``max-fallback``), so the
 service comes up and keeps serving; callers still time out and fall back on their side.
 
-The same poll runs the retraining trigger (``RetrainTrigger``): when the feedback written by the
-engine replicas meets the policy, one Ray task retrains, gates and promotes; the next poll serves
-the new champion.
+The same poll runs the retraining trigger (``deployments/retrain.py``: one per cluster, in a named
+actor every replica finds): when the feedback the engine replicas wrote to the store meets the
+policy, one Ray task retrains, gates and promotes; the next poll serves the new champion.
 
-The registry's store and the feedback folder are the data dir's (``app.paths``), read here, where
-the replica starts, and handed down.
+The registry's store and the feedback store are read here (``app.paths``, and the app's ``store``),
+where the replica starts, and handed down.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import asyncio
 import logging
 import threading
 import time
-from pathlib import Path
 
 from ray import serve
 
 from app import paths
 from app.config import PredictorConfig
 from app.runtime_env import process_defaults
+from deployments.retrain import ClusterRetrainTrigger
 from predictor.store import Store
 
 logger = logging.getLogger("ray.serve")
@@ -35,7 +35,7 @@ logger = logging.getLogger("ray.serve")
 class LengthPredictorServer:
     """Plain class (testable without Ray); ``PredictorDeployment`` below wraps it for Serve."""
 
-    def __init__(self, config: PredictorConfig | dict | None = None, trigger: "RetrainTrigger | None" = None,
+    def __init__(self, config: PredictorConfig | dict | None = None, trigger: "ClusterRetrainTrigger | None" = None,
                  store: Store | None = None) -> None:
         self.config = PredictorConfig.model_validate(config or {})
         self.store = store or paths.predictor_store()
@@ -90,7 +90,7 @@ class LengthPredictorServer:
             try:
                 self.refresh()
                 if self.trigger is not None:
-                    self.trigger.tick(self._predictor)
+                    self.trigger.tick(getattr(self._predictor, "spec", None))
             except Exception:  # noqa: BLE001 - one bad poll (a version that fails its warm-up,
                 # a feedback file gone mid-scan) must not end hot swap and retraining for good
                 self.poll_errors += 1
@@ -118,68 +118,23 @@ class LengthPredictorServer:
         self._stop.set()
 
 
-class RetrainTrigger:
-    """Submits one retraining Ray task at a time when new feedback meets the policy."""
-
-    def __init__(self, config: PredictorConfig, store: Store | None = None, feedback_dir: Path | None = None,
-                 trace_dir: Path | None = None) -> None:
-        self.policy = config.retrain
-        self.store = store or paths.predictor_store()
-        self.feedback_dir = feedback_dir or paths.feedback_dir()
-        self.trace_dir = trace_dir or paths.traces_dir()
-        self.running = None  # ObjectRef of the retraining task in flight
-        self.last_summary: dict | None = None
-        self.submitted = 0
-        self.hold_until_s = 0.0  # after a retrain that failed or declined: no new one before this
-
-    def tick(self, predictor) -> None:
-        import ray
-
-        from predictor.training.retrain import retrain_due, submit_retrain
-
-        if self.running is not None:
-            done, _ = ray.wait([self.running], timeout=0)
-            if not done:
-                return
-            try:
-                self.last_summary = ray.get(self.running)
-                logger.info("predictor retraining finished: %s", self.last_summary)
-            except Exception as exc:  # noqa: BLE001 - a failed retrain leaves the champion serving
-                self.last_summary = {"retrained": False, "reason": f"failed: {exc}"}
-                logger.error("predictor retraining failed: %s", exc)
-            self.running = None
-            if not self.last_summary.get("retrained"):  # NOTE: else the next poll would submit it again
-                self.hold_until_s = time.monotonic() + self.policy.retry_after_s
-        if time.monotonic() < self.hold_until_s:
-            return
-        spec = getattr(predictor, "spec", None)
-        if spec is None:
-            return  # no learned champion to continue from
-        reason = retrain_due(self.policy, spec, self.feedback_dir)
-        if reason is not None:
-            logger.info("retraining the predictor: %s", reason)
-            self.running = submit_retrain(self.policy, self.feedback_dir, store=self.store, trace_dir=self.trace_dir,
-                                          setup=process_defaults)
-            self.submitted += 1
-
-    def info(self) -> dict:
-        return {"retrains_submitted": self.submitted, "retrain_running": self.running is not None,
-                "last_retrain": self.last_summary}
-
-
 @serve.deployment(name="predictor", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
 class PredictorDeployment:
     """``await handle.predict.remote(text) -> dict`` (bucket, bound_tokens, probabilities,
     expected_tokens, score, rank_tokens, version). ``reconfigure`` takes a ``PredictorConfig`` dict."""
 
-    def __init__(self, config: dict | None = None) -> None:
+    def __init__(self, config: dict | None = None, store: str = "") -> None:
         process_defaults()  # NOTE: a replica is a process of its own; before MLflow is first imported
         self.store = paths.predictor_store()
+        self.feedback = paths.feedback_store(store)
         self.server = self._server(PredictorConfig.model_validate(config or {}))
         self.started_s = time.time()
 
     def _server(self, config: PredictorConfig) -> LengthPredictorServer:
-        trigger = RetrainTrigger(config, self.store) if config.retrain_enabled else None
+        trigger = None
+        if config.retrain_enabled:
+            trigger = ClusterRetrainTrigger(config, self.store, self.feedback, paths.traces_dir(),
+                                            serve.get_replica_context().app_name)
         return LengthPredictorServer(config, trigger, self.store)
 
     def reconfigure(self, config: dict) -> None:

@@ -191,6 +191,21 @@ def list_versions() -> list[dict[str, Any]]:
     return [_describe(mv, aliases.get(str(mv.version), [])) for mv in newest_first]
 
 
+def model_tag(key: str, client: MlflowClient | None = None) -> str | None:
+    """The registered model's tag ``key`` (None when unset or before the first version)."""
+    try:
+        return (client or configure()).get_registered_model(MODEL_NAME).tags.get(key)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+            return None
+        raise
+
+
+def set_model_tag(key: str, value: str, client: MlflowClient | None = None) -> None:
+    """Set the registered model's tag ``key``: state every node reads from the one registry."""
+    (client or configure()).set_registered_model_tag(MODEL_NAME, key, value)
+
+
 def set_champion(version: str) -> None:
     """Move the ``champion`` alias to ``version``."""
     client, mv = _get_version(version)

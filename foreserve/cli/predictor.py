@@ -108,7 +108,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     policy = policy.model_validate({**policy.model_dump(), **{k: v for k, v in {
         "epochs": args.epochs, "min_records": args.min_records, "holdout_frac": args.holdout_frac,
         "original_examples": args.original_examples}.items() if v is not None}})
-    report = retrain_from_feedback(policy, paths.feedback_dir(), force=args.force, promote=not args.no_promote,
+    report = retrain_from_feedback(policy, paths.feedback_store(), force=args.force, promote=not args.no_promote,
                                    store=paths.predictor_store(),
                                    trace_dir=ensure_traces() if policy.original_examples else None)
     write_json(args.json, report, echo=True)
@@ -121,7 +121,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     write_json(args.json, collect_feedback(
         args.prompts, split=args.split, offset=args.offset, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, torch_threads=args.threads,
-        root=paths.feedback_dir(), store=paths.predictor_store(), trace_dir=ensure_traces(),
+        root=paths.feedback_store(), store=paths.predictor_store(), trace_dir=ensure_traces(),
     ), echo=True)
     return 0
 

@@ -13,7 +13,6 @@ The feedback folder, the registry's store and the traces' folder are arguments: 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import random
 import time
@@ -23,11 +22,12 @@ from pathlib import Path
 from predictor.buckets import LengthBuckets
 from predictor.config import RetrainPolicy
 from predictor.feedback import FeedbackRecord, scan_feedback
+from predictor.object_store import ObjectStore
 from predictor.store import Store
 from predictor.training.dataset import Example, feedback_examples, is_censored, trace_examples
 
 logger = logging.getLogger(__name__)
-STATE_FILE = "retrain_state.json"
+WATERMARK_TAG = "retrain_watermark_s"  # a registered-model tag: feedback up to here has retrained
 
 
 def is_holdout(text: str, frac: float) -> bool:
@@ -46,23 +46,22 @@ def mispredicted(record: FeedbackRecord, buckets: LengthBuckets) -> bool:
     return gap > 1 if is_censored(record, buckets.max_tokens) else abs(gap) > 1
 
 
-def _state_path(root: Path) -> Path:
-    return root / STATE_FILE
+def last_retrain_s(client=None) -> float:
+    """When the last retraining began (its feedback scan), from the registry: the registered
+    model's tag ``retrain_watermark_s``, which every node reads alike. 0 before the first."""
+    from predictor import registry
 
-
-def last_retrain_s(root: Path) -> float:
-    path = _state_path(root)
     try:
-        return float(json.loads(path.read_text())["last_retrain_s"])
-    except (OSError, ValueError, KeyError):
+        return float(registry.model_tag(WATERMARK_TAG, client) or 0.0)
+    except ValueError:
         return 0.0
 
 
-def mark_retrained(root: Path, when_s: float | None = None) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = _state_path(root).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"last_retrain_s": when_s if when_s is not None else time.time()}))
-    tmp.replace(_state_path(root))
+def mark_retrained(when_s: float | None = None, client=None) -> None:
+    """Move the watermark: records up to ``when_s`` (now when None) have had their retraining."""
+    from predictor import registry
+
+    registry.set_model_tag(WATERMARK_TAG, repr(when_s if when_s is not None else time.time()), client)
 
 
 def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets: LengthBuckets) -> str | None:
@@ -82,14 +81,16 @@ def trigger_reason(records: list[FeedbackRecord], policy: RetrainPolicy, buckets
     return None
 
 
-def records_since_last_retrain(records: list[FeedbackRecord], root: Path) -> list[FeedbackRecord]:
-    since_s = last_retrain_s(root)
+def records_since_last_retrain(records: list[FeedbackRecord], since_s: float) -> list[FeedbackRecord]:
     return [r for r in records if r.timestamp_s > since_s]
 
 
-def retrain_due(policy: RetrainPolicy, spec, root: Path) -> str | None:
+def retrain_due(policy: RetrainPolicy, spec, root: ObjectStore | Path, store: Store) -> str | None:
     """Why the feedback written since the last retraining calls for another one now, or None."""
-    return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], root), policy, spec.buckets)
+    from predictor import registry
+
+    since_s = last_retrain_s(registry.configure(store))
+    return trigger_reason(records_since_last_retrain(scan_feedback(root)[0], since_s), policy, spec.buckets)
 
 
 def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tokens: int) -> tuple[list[Example], list[Example]]:
@@ -99,7 +100,7 @@ def split_feedback(records: list[FeedbackRecord], policy: RetrainPolicy, max_tok
     return train, holdout
 
 
-def retrain_from_feedback(policy: RetrainPolicy, root: Path, force: bool = False, promote: bool = True, *,
+def retrain_from_feedback(policy: RetrainPolicy, root: ObjectStore | Path, force: bool = False, promote: bool = True, *,
                           store: Store, trace_dir: Path | None = None) -> dict:
     """Check the trigger on the feedback in ``root`` (unless ``force``), then retrain, register
     (``source=feedback``) in ``store``, gate and promote. ``trace_dir``: the traces whose train split
@@ -115,7 +116,7 @@ def retrain_from_feedback(policy: RetrainPolicy, root: Path, force: bool = False
     registry.configure(store)
     started_s = time.time()  # NOTE: before the scan: a record written during it counts next time
     records, skipped = scan_feedback(root)
-    new = records if force else records_since_last_retrain(records, root)
+    new = records if force else records_since_last_retrain(records, last_retrain_s())
     directory, version = registry.download_version()  # cached: no weights loaded unless we retrain
     spec = ModelSpec.model_validate_json((directory / META).read_text())
     reason = "forced" if force else trigger_reason(new, policy, spec.buckets)
@@ -136,12 +137,12 @@ def retrain_from_feedback(policy: RetrainPolicy, root: Path, force: bool = False
     if promote and not policy.gate:
         registry.set_champion(summary["version"])
         summary.update(promoted=True, gate="skipped (retrain.gate is false)")
-    mark_retrained(root, started_s)
+    mark_retrained(started_s)
     logger.info("retrained predictor: %s", summary)
     return {"retrained": True, "reason": reason, "parent_version": version, **summary}
 
 
-def _retrain_task(policy: RetrainPolicy, root: Path, force: bool, store: Store, trace_dir: Path | None,
+def _retrain_task(policy: RetrainPolicy, root: ObjectStore | Path, force: bool, store: Store, trace_dir: Path | None,
                   setup: Callable[[], None] | None) -> dict:
     """The Ray task's body: a process of its own, so it runs the caller's ``setup`` first (the
     process defaults: offline hub, quiet loggers)."""
@@ -150,7 +151,7 @@ def _retrain_task(policy: RetrainPolicy, root: Path, force: bool, store: Store, 
     return retrain_from_feedback(policy, root, force, store=store, trace_dir=trace_dir)
 
 
-def submit_retrain(policy: RetrainPolicy, root: Path, force: bool = False, *, store: Store,
+def submit_retrain(policy: RetrainPolicy, root: ObjectStore | Path, force: bool = False, *, store: Store,
                    trace_dir: Path | None = None, setup: Callable[[], None] | None = None):
     """Run ``retrain_from_feedback`` as a Ray task (``policy.num_cpus``); returns its ObjectRef.
     ``setup`` runs first in the task's process."""

@@ -62,20 +62,21 @@ def test_a_declined_retrain_holds_the_trigger(monkeypatch: pytest.MonkeyPatch):
 
     import predictor.training.retrain
     from app.config import PredictorConfig
-    from deployments.predictor import RetrainTrigger
+    from deployments.retrain import RetrainTrigger
+    from predictor.object_store import ObjectStore
 
-    trigger = RetrainTrigger(PredictorConfig.model_validate({"retrain": {"retry_after_s": 600}}))
+    trigger = RetrainTrigger(PredictorConfig.model_validate({"retrain": {"retry_after_s": 600}}), paths.predictor_store(),
+                             ObjectStore(paths.feedback_dir()), paths.traces_dir())
     trigger.running = "task"
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
     monkeypatch.setattr(ray, "get", lambda ref: {"retrained": False, "reason": "too little usable feedback"})
     due = []
-    monkeypatch.setattr(predictor.training.retrain, "retrain_due", lambda policy, spec, root: due.append(1))
-    champion = type("Learned", (), {"spec": SPEC})()
-    trigger.tick(champion)
-    trigger.tick(champion)
+    monkeypatch.setattr(predictor.training.retrain, "retrain_due", lambda policy, spec, feedback, store: due.append(1))
+    trigger.tick(SPEC)
+    trigger.tick(SPEC)
     assert trigger.running is None and due == [] and trigger.hold_until_s > time.monotonic() + 500
     trigger.hold_until_s = 0.0
-    trigger.tick(champion)
+    trigger.tick(SPEC)
     assert due == [1]
 
 

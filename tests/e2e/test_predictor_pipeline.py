@@ -99,6 +99,8 @@ def test_retrain_from_feedback_registers_a_feedback_version(home: Path):
     assert "new labelled feedback records" in result["reason"]
     info = registry.get_version_info("2")
     assert info["tags"]["source"] == "feedback"
+    # the watermark is in the registry, which every node reads, not beside one node's feedback
+    assert float(registry.model_tag("retrain_watermark_s")) > 0 and not list(paths.feedback_dir().glob("*.json"))
     assert not retrain_from_feedback(policy, paths.feedback_dir(),
                                   store=paths.predictor_store(), trace_dir=traces)["retrained"]  # nothing new since
 
