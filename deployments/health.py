@@ -1,7 +1,8 @@
 """``GET /health``: what the ingress asks the pools and the predictor, and how it judges the answers.
 
 ``ok`` when the predictor and both pools answer within 5 s (a pool the autoscaler scaled to zero
-counts as up) and the predictor serves what it was configured to (its champion); else ``degraded``
+counts as up) and the predictor serves what it was configured to (its champion) and reaches its
+registry; else ``degraded``
 with ``problems`` naming what failed. ``is_serving`` is the test the launcher and the load tests
 wait for: a service whose only problem is a predictor without its champion still serves."""
 
@@ -11,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 PREDICTOR_UNAVAILABLE = "predictor serves max reservation"  # a problem: it answers, without its champion
+REGISTRY_UNREACHABLE = "predictor cannot reach its registry"  # a problem: it answers with the last champion it had
+SERVING_PROBLEMS = (PREDICTOR_UNAVAILABLE, REGISTRY_UNREACHABLE)  # the service still answers with these
 POOL_KEYS = ("error", "kv_free_tokens", "num_running", "num_waiting", "preemptions", "recomputed_tokens")
 
 
@@ -39,6 +42,8 @@ async def report(replica_states: Callable[[], dict], pools: Mapping, predictor) 
         # NOTE: it answers, reserving for max_tokens, but not with the champion: a registry on
         # another node's disk or down, no champion yet, a broken version
         problems.append(f"{PREDICTOR_UNAVAILABLE}: {info['unavailable']}")
+    if "error" not in info and info.get("registry_error"):
+        problems.append(f"{REGISTRY_UNREACHABLE}: {info['registry_error']}")
     return {
         "status": "degraded" if problems else "ok", "problems": problems, "predictor": info,
         "pools": {name: {k: p[k] for k in POOL_KEYS if k in p} for name, p in answers.items()},
@@ -47,9 +52,10 @@ async def report(replica_states: Callable[[], dict], pools: Mapping, predictor) 
 
 
 def is_serving(health: dict | None) -> bool:
-    """A ``/health`` answer of a service that serves: ``ok``, or ``degraded`` only because the
-    predictor serves max reservation (no champion yet, a registry it cannot read)."""
+    """A ``/health`` answer of a service that serves: ``ok``, or ``degraded`` only because of the
+    predictor's registry (max reservation without a champion; the last champion while the registry
+    is unreachable)."""
     if not health:
         return False
     problems = health.get("problems") or []
-    return health.get("status") == "ok" or (bool(problems) and all(p.startswith(PREDICTOR_UNAVAILABLE) for p in problems))
+    return health.get("status") == "ok" or (bool(problems) and all(p.startswith(SERVING_PROBLEMS) for p in problems))

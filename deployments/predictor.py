@@ -20,8 +20,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ray import serve
+from ray.serve.metrics import Gauge
 
 from app import paths
 from app.config import PredictorConfig
@@ -36,8 +38,10 @@ class LengthPredictorServer:
     """Plain class (testable without Ray); ``PredictorDeployment`` below wraps it for Serve."""
 
     def __init__(self, config: PredictorConfig | dict | None = None, trigger: "ClusterRetrainTrigger | None" = None,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, on_registry: "Callable[[bool], None] | None" = None) -> None:
         self.config = PredictorConfig.model_validate(config or {})
+        self.registry_error: str | None = None  # why the last registry poll failed; None once one succeeds
+        self.on_registry = on_registry  # told whether each poll reached the registry (a metric)
         self.store = store or paths.predictor_store()
         self._predictor = self._load()
         self.swaps = 0
@@ -75,7 +79,9 @@ class LengthPredictorServer:
             champion = registry.champion_version(registry.configure(self.store))
         except Exception as exc:  # noqa: BLE001 - a registry hiccup must not stop serving
             logger.warning("registry poll failed: %s", exc)
+            self._registry_polled(f"{type(exc).__name__}: {str(exc)[:300]}")
             return False
+        self._registry_polled(None)
         if champion is None or champion == self.version:
             return False
         fresh = self._load()
@@ -84,6 +90,11 @@ class LengthPredictorServer:
         self._predictor = fresh  # NOTE: one reference swap; in-flight batches keep the old object
         self.swaps += 1
         return True
+
+    def _registry_polled(self, error: str | None) -> None:
+        self.registry_error = error
+        if self.on_registry is not None:
+            self.on_registry(error is None)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.config.poll_s):
@@ -127,6 +138,8 @@ class PredictorDeployment:
         process_defaults()  # NOTE: a replica is a process of its own; before MLflow is first imported
         self.store = paths.predictor_store()
         self.feedback = paths.feedback_store(store)
+        self.registry_up = Gauge("foreserve_predictor_registry_up", "1 when the predictor's last registry poll "
+                                 "reached the registry, 0 when it failed (it serves its last champion meanwhile).")
         self.server = self._server(PredictorConfig.model_validate(config or {}))
         self.started_s = time.time()
 
@@ -135,7 +148,7 @@ class PredictorDeployment:
         if config.retrain_enabled:
             trigger = ClusterRetrainTrigger(config, self.store, self.feedback, paths.traces_dir(),
                                             serve.get_replica_context().app_name)
-        return LengthPredictorServer(config, trigger, self.store)
+        return LengthPredictorServer(config, trigger, self.store, on_registry=lambda ok: self.registry_up.set(float(ok)))
 
     def reconfigure(self, config: dict) -> None:
         fresh = PredictorConfig.model_validate(config or {})
@@ -153,7 +166,8 @@ class PredictorDeployment:
 
     def info(self) -> dict:
         info = {"version": self.server.version, "swaps": self.server.swaps, "poll_errors": self.server.poll_errors,
-                "up_s": time.time() - self.started_s, "unavailable": self.server.unavailable}
+                "up_s": time.time() - self.started_s, "unavailable": self.server.unavailable,
+                "registry_error": self.server.registry_error}
         if self.server.trigger is not None:
             info.update(self.server.trigger.info())
         return info

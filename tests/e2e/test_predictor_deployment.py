@@ -102,3 +102,23 @@ def test_serve_deployment_batches_and_reports_its_version(home: Path):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_an_unreachable_registry_is_reported_and_the_champion_keeps_serving(home: Path, monkeypatch: pytest.MonkeyPatch):
+    train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=paths.predictor_store())
+    seen = []
+    server = LengthPredictorServer({"poll_s": 3600}, on_registry=seen.append)
+    try:
+        assert server.version == "1" and server.registry_error is None
+
+        def down(client=None):
+            raise ConnectionError("registry at http://10.0.0.9:5000 refused the connection")
+
+        monkeypatch.setattr(registry, "champion_version", down)
+        assert not server.refresh()
+        assert server.version == "1" and "ConnectionError: registry at http://10.0.0.9:5000" in server.registry_error
+        monkeypatch.undo()
+        assert not server.refresh() and server.registry_error is None
+        assert seen == [False, True]
+    finally:
+        server.close()
