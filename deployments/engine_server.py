@@ -24,6 +24,7 @@ from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import LLMEngine, RequestRejected
 from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.prepare.model_store import ensure_local_model
 from app.runtime_env import process_defaults, traced
 from predictor.buckets import LengthBuckets
 
@@ -80,6 +81,7 @@ class EngineServer:
 
         self.pool = pool
         self.config = traced(load_pool_config(pool) if engine is None else EngineConfig.model_validate(engine))
+        ensure_local_model(self.config.model_path, paths.store(store))  # a node without it fetches it from the store
         # NOTE: feedback goes to the store from a background thread: a finished request never waits on it
         self.feedback = FeedbackWriter(paths.feedback_store(store), flush_s=FEEDBACK_FLUSH_S)
         self.engine = LLMEngine.from_config(self.config, feedback=self.feedback)

@@ -20,6 +20,7 @@ the URI and opens the filesystem where it runs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from pathlib import Path
@@ -88,6 +89,38 @@ class ObjectStore:
         fs, _ = self._fs()
         with fs.open_output_stream(self._path(key)) as out:  # S3 and GCS make it visible whole on close
             out.write(data)
+
+    def put_file(self, key: str, source: Path, chunk_bytes: int = 8 << 20) -> str:
+        """Write object ``key`` from file ``source``, streamed (a model's weights never sit in memory
+        whole); returns the SHA-256 of what was written."""
+        digest = hashlib.sha256()
+        root = self.local_root
+        fs, _ = self._fs()
+        target = root / key.strip("/") if root is not None else None
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path = str(target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial"))
+        else:
+            path = self._path(key)
+        with open(source, "rb") as f, fs.open_output_stream(path) as out:
+            while chunk := f.read(chunk_bytes):
+                digest.update(chunk)
+                out.write(chunk)
+        if target is not None:
+            os.replace(path, target)
+        return digest.hexdigest()
+
+    def get_file(self, key: str, target: Path, chunk_bytes: int = 8 << 20) -> str:
+        """Copy object ``key`` into file ``target`` (streamed); returns the SHA-256 of what was read.
+        FileNotFoundError if there is no such object."""
+        digest = hashlib.sha256()
+        fs, _ = self._fs()
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(self._path(key)) as f, open(target, "wb") as out:
+            while chunk := f.read(chunk_bytes):
+                digest.update(chunk)
+                out.write(chunk)
+        return digest.hexdigest()
 
     def get(self, key: str) -> bytes:
         """Object ``key``'s bytes; FileNotFoundError if there is none."""

@@ -10,6 +10,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from foreserve.prepare import prepare
 
     summary = prepare(force=args.force, predictor=not args.no_predictor)
+    if args.upload is not None:
+        from pathlib import Path
+
+        from app import paths
+        from app.prepare.model_store import upload_model
+
+        store = paths.store(args.upload or None)
+        manifest = upload_model(Path(summary["model_dir"]), store)
+        summary["uploaded"] = {"store": store.uri, "model": manifest["name"], "files": len(manifest["files"]),
+                               "bytes": sum(f["bytes"] for f in manifest["files"].values())}
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -48,6 +58,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("prepare", help="build the embedded model folder, the ShareGPT traces and a first length predictor (idempotent)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.add_argument("--no-predictor", action="store_true", help="skip training the first length predictor")
+    p.add_argument("--upload", nargs="?", const="", metavar="STORE",
+                   help="then put the model into the store (STORE, else $FORESERVE_STORE), checksummed, so that "
+                        "cluster nodes without it fetch it where their engines start (docs/cluster.md)")
     p.set_defaults(func=cmd_prepare)
 
     g = sub.add_parser("generate", help="stream one chat answer from the embedded model (no server)")
