@@ -167,6 +167,12 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     nodes = ray.nodes()
     check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
     check_replicas_fit_a_node(entry.get("deployments") or [], nodes)
+    if joined:  # every node that may run a replica: code, versions, store, registry and the model
+        from deployments.preflight import preflight
+
+        for report in preflight(config, env):
+            if report["model_fetched"]:
+                print(f"node {report['node_ip']}: fetched the model from the store", file=sys.stderr, flush=True)
     serve.start(proxy_location=proxy_location, http_options=http)
     client = _get_global_client()
     client.deploy_apps(schema, _blocking=False)
