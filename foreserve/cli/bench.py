@@ -67,6 +67,17 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     return write_json(args.json, report)
 
 
+def cmd_bench_feedback(args: argparse.Namespace) -> int:
+    from app import paths
+    from loadtests.bench.feedback_store import print_report, run
+
+    report = run(args.store or [paths.store().uri], args.records)
+    print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
 def cmd_bench_burst(args: argparse.Namespace) -> int:
     from loadtests.bench.burst import run
 
@@ -140,6 +151,14 @@ def add_parser(sub) -> None:
     bb.add_argument("--json", metavar="FILE")
     bb.set_defaults(func=cmd_bench_batch)
 
+    bf = bench.add_parser(
+        "feedback", help="what recording feedback costs the engine's path: append latency, synchronous vs background flush",
+        description="Times each finished request's feedback append where the engine calls it: one durable put per "
+        "request, and the background flush serving uses; per store (a folder, file://, s3://...?endpoint_override=...).")
+    bf.add_argument("--store", action="append", metavar="URI", help="a store to measure (repeatable; default: the configured one)")
+    bf.add_argument("--records", type=int, default=500, help="finished requests to record per store and mode")
+    bf.add_argument("--json", metavar="FILE", help="write the report JSON here")
+    bf.set_defaults(func=cmd_bench_feedback)
     bu = bench.add_parser(
         "burst", help="elasticity on the real app: an online burst makes the offline pool yield, then come back",
         description="Starts the app (serve_config.yaml, or --config) on a free port, waits for the offline replica, "
