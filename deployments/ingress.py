@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -73,6 +73,7 @@ install_error_handlers(app)
 class Ingress:
     def __init__(self, online: DeploymentHandle, offline: DeploymentHandle, predictor: DeploymentHandle, config: dict) -> None:
         from app.engine.text.tokenizer import load_tokenizer
+        from app.prepare.model_store import ensure_local_model
         from deployments.metrics import RequestMetrics
 
         process_defaults()  # NOTE: a replica is a process of its own (offline hub before the tokenizer loads)
@@ -81,14 +82,15 @@ class Ingress:
         self.predictor = predictor
         online = self.config.pools["online"]  # NOTE: both pools serve the same model
         self.model_id = online.served_model_name
-        self.tokenizer = load_tokenizer(online.model_path)
+        self.tokenizer = load_tokenizer(ensure_local_model(online.model_path, paths.store(self.config.store)))
         self.limits = {name: pool.sequence_limit_tokens() for name, pool in self.config.pools.items()}
         # NOTE: `foreserve serve` hands the replicas digests of its FORESERVE_API_KEYS, never the keys
         self.api_keys = ApiKeys(self.config.ingress.api_keys + split_list(os.environ.get("FORESERVE_API_KEYS")),
                                 split_list(os.environ.get("FORESERVE_API_KEY_SHA256")))
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
-        self.batches = BatchStore(paths.home() / "batches", app_name=serve.get_replica_context().app_name)
+        # NOTE: files and batches live in the store every node sees: any replica answers for any of them
+        self.batches = BatchStore(paths.store(self.config.store), app_name=serve.get_replica_context().app_name)
         self.offline_gate = PoolGate(self._replica_states, "offline")
 
     # -- routes ------------------------------------------------------------------------------
@@ -144,12 +146,13 @@ class Ingress:
     @app.get("/v1/files/{file_id}")
     async def get_file(self, file_id: str, request: Request) -> dict:
         self._authorize(request)
-        return self.batches.get_file(file_id).model_dump()
+        return (await asyncio.to_thread(self.batches.get_file, file_id)).model_dump()
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(self, file_id: str, request: Request) -> FileResponse:
+    async def file_content(self, file_id: str, request: Request) -> Response:
         self._authorize(request)
-        return FileResponse(self.batches.file_content(file_id), media_type="application/octet-stream")
+        content = await asyncio.to_thread(self.batches.file_content, file_id)
+        return Response(content, media_type="application/octet-stream")
 
     @app.post("/v1/batches")
     async def create_batch(self, request: Request) -> dict:

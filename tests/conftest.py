@@ -16,8 +16,10 @@ the run when a test sits in a tier its markers rule out, so a marker and a folde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,14 +134,34 @@ WORKERS = ("node_a", "node_b", "node_c")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """A head and three worker nodes (``LocalCluster``), connected; shut down after the module."""
+    with _local_cluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def s3_cluster(tmp_path_factory: pytest.TempPathFactory, s3_uri: str):
+    """``cluster``, with the S3 server's credentials (``tests.services.S3_ENV``) in every node's
+    environment, so that a store at ``s3_uri`` opens on any node, and the head's dashboard (the Ray
+    Jobs API) on a free port of every interface, where each node finds it as on a real cluster."""
+    from app.ports import free_port
+    from tests.services import S3_ENV
+
+    head = {"include_dashboard": True, "dashboard_host": "0.0.0.0", "dashboard_port": free_port()}
+    with _local_cluster(tmp_path_factory.mktemp("cluster"), S3_ENV, head) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dict | None = None) -> Iterator[LocalCluster]:
+    """The nodes of ``LocalCluster`` under ``root``, ``env`` added to each node's environment and
+    ``head_args`` to the head's ``ray.cluster_utils.Cluster`` arguments; Serve and Ray shut down after."""
     import ray
     from ray.cluster_utils import Cluster
 
     from app import paths
 
-    root = tmp_path_factory.mktemp("cluster")
     node_env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "MLFLOW_DISABLE_TELEMETRY": "true"}
+                "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
     homes = {}
     for name in ("head", *WORKERS):
         homes[name] = root / name
@@ -150,7 +172,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     mp.delenv("RAY_ADDRESS", raising=False)
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "resources": {"head": 1}, "env_vars": {**node_env, "FORESERVE_HOME": str(homes["head"])}})
+        "num_cpus": 0, "resources": {"head": 1}, "env_vars": {**node_env, "FORESERVE_HOME": str(homes["head"])},
+        **(head_args or {})})
     try:
         for name in WORKERS:
             cluster.add_node(num_cpus=1, resources={name: 1}, env_vars={**node_env, "FORESERVE_HOME": str(homes[name])})

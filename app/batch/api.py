@@ -1,10 +1,19 @@
 """OpenAI's Files and Batch API objects, backed by foreserve batch jobs (``app/batch/jobs.py``).
 
-Files live under ``<data dir>/batches/files`` (content plus a JSON record); a batch is a Ray Job
-whose id is the batch id and whose output directory is ``<data dir>/batches/<batch id>``. A batch's
-state is read from Ray and the job's own progress each time it is asked for, so nothing here can
-drift from what the job did. The output file (one line per input line, errors included) gets a file
-id once the job has finished.
+All state is whole objects under the ``batches/`` prefix of foreserve's store (``app.paths.store``:
+a local folder on one machine, or a URI such as ``s3://…`` that every node sees), so any ingress
+replica on any node answers for any file or batch:
+
+- ``files/<file id>.jsonl``: an uploaded file's content; ``files/<file id>.json``: its record (the
+  ``FileObject`` plus ``key``, where its content is, relative to ``batches/``);
+- ``<batch id>.json``: a batch's record;
+- ``<batch id>/``: the batch job's output (``status.json``, ``parts/``, ``results.jsonl``).
+
+A batch is a Ray Job whose id is the batch id; the job is handed the input object's URI and its
+output prefix's URI, and reads and writes them through the store itself. A batch's state is read
+from Ray and the job's own progress each time it is asked for, so nothing here can drift from what
+the job did. The output file (one line per input line, errors included) gets a file id once the
+job has finished.
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.batch import jobs
 from app.api import errors
-from app.batch.io import CHAT_URL, read_status, write_json
+from app.batch import jobs
+from app.batch.io import CHAT_URL, read_status
+from predictor.object_store import ObjectStore
 
 WINDOW_S = 24 * 3600
+RESULTS = "results.jsonl"  # the results object in a job's output (app/batch/io.py)
 
 
 class FileObject(BaseModel):
@@ -71,12 +82,13 @@ class Batch(BaseModel):
 
 
 class BatchStore:
-    """Files and batches of one data dir. ``app_name`` is the Serve app whose offline pool runs the jobs."""
+    """Files and batches under ``store``'s ``batches/`` prefix (module docstring). ``app_name`` is the
+    Serve app whose offline pool runs the jobs. Instances on any node given the same store see the
+    same files and batches; every object is put whole, so a reader never sees half of one."""
 
-    def __init__(self, root: Path, app_name: str = "foreserve") -> None:
-        self.root = root
-        self.files = self.root / "files"
-        self.files.mkdir(parents=True, exist_ok=True)
+    def __init__(self, store: ObjectStore | str | Path, app_name: str = "foreserve") -> None:
+        store = store if isinstance(store, ObjectStore) else ObjectStore(store)
+        self.store = store.child("batches")
         self.app_name = app_name
         self._jobs = None
 
@@ -88,6 +100,15 @@ class BatchStore:
                 raise errors.unavailable(f"Batch jobs need the Ray Jobs API (the cluster's dashboard): {exc}") from None
         return self._jobs
 
+    def _read(self, key: str, missing: errors.APIError) -> dict:
+        try:
+            return json.loads(self.store.get(key))
+        except FileNotFoundError:
+            raise missing from None
+
+    def _put(self, key: str, record: dict) -> None:
+        self.store.put(key, json.dumps(record, indent=1).encode())
+
     # -- files -----------------------------------------------------------------------------
     def add_file(self, filename: str, content: bytes, purpose: str) -> FileObject:
         if purpose != "batch":
@@ -96,64 +117,82 @@ class BatchStore:
             raise errors.bad_request("The file is empty.", param="file")
         file = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=int(time.time()),
                           filename=filename or "upload.jsonl", purpose=purpose)
-        (self.files / f"{file.id}.jsonl").write_bytes(content)
-        write_json(self.files / f"{file.id}.json", {**file.model_dump(), "path": str(self.files / f"{file.id}.jsonl")})
+        key = f"files/{file.id}.jsonl"
+        self.store.put(key, content)  # NOTE: the content first, so every record names content that exists
+        self._put(f"files/{file.id}.json", {**file.model_dump(), "key": key})
         return file
 
     def _file_record(self, file_id: str) -> dict:
-        path = self.files / f"{Path(file_id).name}.json"
-        if not path.is_file():
-            raise errors.APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
-        return json.loads(path.read_text())
+        if not _plain(file_id):
+            raise _no_file(file_id)
+        return self._read(f"files/{file_id}.json", _no_file(file_id))
 
     def get_file(self, file_id: str) -> FileObject:
-        return FileObject.model_validate({k: v for k, v in self._file_record(file_id).items() if k != "path"})
+        return FileObject.model_validate(self._file_record(file_id))  # NOTE: the record's `key` is left out
 
-    def file_content(self, file_id: str) -> Path:
-        return Path(self._file_record(file_id)["path"])
+    def _content_location(self, record: dict) -> str:
+        """Where a file's content is: the URI (or local path) of its object."""
+        if "key" in record:
+            return self.store.child(record["key"]).uri
+        return record["path"]  # NOTE: a record from before the store: a local path
+
+    def file_content(self, file_id: str) -> bytes:
+        """A file's content (an upload, or a finished batch's output); 404 if there is none."""
+        record = self._file_record(file_id)
+        try:
+            return self.store.get(record["key"]) if "key" in record else Path(record["path"]).read_bytes()
+        except FileNotFoundError:
+            raise _no_file(file_id) from None
 
     # -- batches ---------------------------------------------------------------------------
-    def _record_path(self, batch_id: str) -> Path:
-        return self.root / f"{Path(batch_id).name}.json"
-
     def _record(self, batch_id: str) -> dict:
-        path = self._record_path(batch_id)
-        if not path.is_file():
-            raise errors.APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
-        return json.loads(path.read_text())
+        missing = errors.APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+        if not _plain(batch_id):
+            raise missing
+        return self._read(f"{batch_id}.json", missing)
+
+    def output_uri(self, batch_id: str) -> str:
+        """Where batch ``batch_id``'s job writes its output (a local path or a store URI)."""
+        return self.store.child(batch_id).uri
 
     def create(self, request: BatchCreate) -> Batch:
         if request.endpoint != CHAT_URL:
             raise errors.bad_request(f"Only {CHAT_URL} is supported as a batch endpoint.", param="endpoint")
         if request.completion_window != "24h":
             raise errors.bad_request("completion_window must be '24h'.", param="completion_window")
-        source = self.file_content(request.input_file_id)
-        now = int(time.time())
+        source = self._content_location(self._file_record(request.input_file_id))
+        now_ns = time.time_ns()
+        now = now_ns // 1_000_000_000
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=request.endpoint, input_file_id=request.input_file_id,
                       completion_window=request.completion_window, status="validating", created_at=now,
                       expires_at=now + WINDOW_S, metadata=request.metadata)
         try:  # NOTE: the record is written once the job exists, so no batch is left without one
-            jobs.submit(source, self.root / batch.id, batch.id, backend="serve", extra_args=["--app-name", self.app_name],
-                        jobs=self.jobs())
+            jobs.submit(source, self.output_uri(batch.id), batch.id, backend="serve",
+                        extra_args=["--app-name", self.app_name], jobs=self.jobs())
+        except FileNotFoundError:  # NOTE: a record whose content is gone
+            raise _no_file(request.input_file_id) from None
         except jobs.JobError as exc:
             raise errors.unavailable(f"The batch job could not be submitted: {exc}") from None
-        write_json(self._record_path(batch.id), batch.model_dump())
+        # NOTE: created_ns orders batches created within the same second (list)
+        self._put(f"{batch.id}.json", {**batch.model_dump(), "created_ns": now_ns})
         return batch
 
     def _report(self, batch_id: str) -> dict:
         """The Ray job's state and the job's progress; when Ray no longer knows the job (its
-        cluster restarted), what the job left on disk: completed if it finished, else failed."""
+        cluster restarted), what the job left in the store: completed if it finished, else failed."""
         try:
             return jobs.status(batch_id, self.jobs())
         except jobs.JobError:
-            report = read_status(self.root / batch_id)
-            finished = report.get("state") == "succeeded" and (self.root / batch_id / "results.jsonl").is_file()
+            report = read_status(self.output_uri(batch_id))
+            finished = report.get("state") == "succeeded" and self.store.exists(f"{batch_id}/{RESULTS}")
             message = "the batch's Ray job is gone (the cluster restarted before it finished); create the batch again"
             return {**report, "ray_status": "SUCCEEDED" if finished else "FAILED", "message": message}
 
     def get(self, batch_id: str) -> Batch:
         batch = Batch.model_validate(self._record(batch_id))
-        report = self._report(batch_id)
+        return self._with_state(batch, self._report(batch_id))
+
+    def _with_state(self, batch: Batch, report: dict) -> Batch:
         state = report["ray_status"]
         batch.request_counts = RequestCounts(total=report.get("rows_total", 0), failed=report.get("rows_failed", 0),
                                              completed=report.get("rows_done", 0) - report.get("rows_failed", 0))
@@ -174,14 +213,18 @@ class BatchStore:
             batch.status = "finalizing" if done else "in_progress"
         return batch
 
-    def _output_file(self, batch_id: str) -> str:
+    def _output_file(self, batch_id: str) -> str | None:
+        """The output file's id, its record put on first ask; None while there are no results."""
         file_id = f"file-{batch_id}-output"
-        record = self.files / f"{file_id}.json"
-        if not record.is_file():
-            results = self.root / batch_id / "results.jsonl"
-            file = FileObject(id=file_id, bytes=results.stat().st_size, created_at=int(time.time()),
+        if not self.store.exists(f"files/{file_id}.json"):
+            key = f"{batch_id}/{RESULTS}"
+            try:
+                size = self.store.size(key)
+            except FileNotFoundError:
+                return None
+            file = FileObject(id=file_id, bytes=size, created_at=int(time.time()),
                               filename=f"{batch_id}_output.jsonl", purpose="batch_output")
-            write_json(record, {**file.model_dump(), "path": str(results)})
+            self._put(f"files/{file_id}.json", {**file.model_dump(), "key": key})  # NOTE: any replica may: same record
         return file_id
 
     def cancel(self, batch_id: str) -> Batch:
@@ -191,14 +234,31 @@ class BatchStore:
             raise errors.APIError(409, f"Batch {batch_id} is already {batch.status}.", code="batch_not_cancellable")
         jobs.stop(batch_id, self.jobs())
         record["cancelling_at"] = int(time.time())
-        write_json(self._record_path(batch_id), record)
+        self._put(f"{batch_id}.json", record)
         return self.get(batch_id)
 
     def list(self, limit: int = 20) -> dict:
-        records = sorted(self.root.glob("batch_*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
-        data = [self.get(p.stem).model_dump() for p in records]
+        """The newest ``limit`` batches first, by ``created_at`` in their records."""
+        keys = [k for k in self.store.keys() if "/" not in k and k.startswith("batch_") and k.endswith(".json")]
+        records = []
+        for key in keys:
+            try:
+                records.append(json.loads(self.store.get(key)))
+            except FileNotFoundError:
+                continue
+        records.sort(key=lambda r: (r["created_at"], r.get("created_ns", 0), r["id"]), reverse=True)
+        data = [self._with_state(Batch.model_validate(r), self._report(r["id"])).model_dump() for r in records[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": False}
+                "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
+
+
+def _no_file(file_id: str) -> errors.APIError:
+    return errors.APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+
+
+def _plain(name: str) -> bool:
+    """Whether ``name`` can be an object id: one key part, not hidden (no ``/``, no leading ``.``)."""
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
 
 
 def _int(value) -> int | None:

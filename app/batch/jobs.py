@@ -1,11 +1,19 @@
 """Batch jobs as Ray Jobs: submit, status, stop. Shared by ``foreserve batch`` and the Batch API.
 
-The cluster is ``$RAY_API_SERVER_ADDRESS``/``$RAY_ADDRESS`` (a dashboard URL such as
-``http://head:8265``) when set; else a local cluster that runs already (``foreserve serve`` starts
-one with its dashboard, and a job submitted there uses the app's offline pool); else a new local
-head node (``ray start --head``, which stays up after the command: ``ray stop`` ends it).
+The Jobs API (the dashboard on the cluster's head) is found, in this order (``dashboard_url``):
+
+- ``$RAY_API_SERVER_ADDRESS``, or ``$RAY_ADDRESS`` when it is a dashboard URL (``http://head:8265``);
+- inside a process of a Ray cluster (a Serve replica, a task): the dashboard address the head put
+  in the cluster's GCS, where a dashboard bound to the head's loopback is reached at the head's
+  address (the GCS's host) from every other node;
+- else ``$RAY_ADDRESS`` (a cluster address) or a local cluster that runs already (``foreserve serve``
+  starts one with its dashboard, and a job submitted there uses the app's offline pool); else a new
+  local head node (``ray start --head``, which stays up after the command: ``ray stop`` ends it).
+
 The job's entrypoint is ``python -m foreserve.batch.job`` with this interpreter: a remote cluster needs
-foreserve installed at the same path, and input and output on storage every node sees.
+foreserve installed at the same path. Input and output are local paths or store URIs
+(``predictor.object_store``: ``s3://…``); on a cluster of several machines they must be URIs (or
+paths on storage) every node sees.
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ import uuid
 from pathlib import Path
 
 from app.runtime_env import JOB_ENV, env_vars
+from predictor.object_store import ObjectStore
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+RESULTS = "results.jsonl"  # one answer per input line, in a job's output (app/batch/io.py)
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class JobError(RuntimeError):
@@ -30,6 +41,59 @@ class JobError(RuntimeError):
 
 def _address() -> str | None:
     return os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+
+
+def _split(address: str) -> tuple[str, str]:
+    """``host:port`` (``[v6]:port`` too) → (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _url(host: str, port: str) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def reachable_dashboard(reported: str, head_host: str, node_ip: str) -> str:
+    """The Jobs API's URL for a process on node ``node_ip`` of a cluster whose head (GCS host)
+    is ``head_host`` and whose dashboard reported ``reported`` (``host:port``). A dashboard on the
+    head's loopback is the head itself: kept on the head, the head's address from any other node."""
+    host, port = _split(reported.partition("://")[2] or reported)
+    if host in LOOPBACK and node_ip != head_host:
+        host = head_host
+    return _url(host, port)
+
+
+def _cluster_dashboard() -> str | None:
+    """The Jobs API's URL when this process is part of a Ray cluster (``ray.init`` ran, or a Serve
+    replica or task); None otherwise. JobError if the cluster runs no dashboard."""
+    ray = sys.modules.get("ray")  # NOTE: a process that never imported Ray is no part of a cluster
+    if ray is None or not ray.is_initialized():
+        return None
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    # NOTE: where the head's dashboard puts its address (Ray's ray_constants.DASHBOARD_ADDRESS, in
+    # namespace KV_NAMESPACE_DASHBOARD): its bind host (or the head's IP when bound to all) and port
+    reported = internal_kv._internal_kv_get("dashboard", namespace="dashboard")
+    head_host, _ = _split(ray.get_runtime_context().gcs_address)
+    if not reported:
+        raise JobError(f"the Ray cluster at {head_host} runs no dashboard (the Jobs API): start its head with "
+                       "`ray start --head --include-dashboard true --dashboard-host 0.0.0.0`")
+    return reachable_dashboard(reported.decode(), head_host, ray.util.get_node_ip_address())
+
+
+def _explicit_dashboard() -> str | None:
+    """``$RAY_API_SERVER_ADDRESS``, or ``$RAY_ADDRESS`` when it is a dashboard URL (``http(s)://``)."""
+    address = os.environ.get("RAY_ADDRESS") or ""
+    return os.environ.get("RAY_API_SERVER_ADDRESS") or (address if address.startswith(("http://", "https://")) else None)
+
+
+def dashboard_url() -> str | None:
+    """The Jobs API's URL when it is known without looking for a local cluster: an explicit one
+    (``_explicit_dashboard``), else this process's cluster's (``_cluster_dashboard``); None when
+    neither applies."""
+    return _explicit_dashboard() or _cluster_dashboard()
 
 
 def ray_command(*args: str) -> list[str]:
@@ -44,17 +108,22 @@ def stop_local_cluster() -> None:
 
 
 def client(start: bool = True):
-    """A Jobs API client for the configured or local cluster; starts a local head node if ``start``
-    and none runs."""
+    """A Jobs API client for the cluster the module docstring names; starts a local head node if
+    ``start``, this process is no part of a cluster, and none runs."""
     from ray.job_submission import JobSubmissionClient
 
     if not _address():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # NOTE: Ray 2.60's default token auth; see README
+    explicit = _explicit_dashboard()
+    url = explicit or _cluster_dashboard()
     try:
-        return JobSubmissionClient(_address() or "auto")
+        return JobSubmissionClient(url or _address() or "auto")
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        if _address() or not start:
-            raise JobError(f"no Ray cluster with a dashboard at {_address() or 'this machine'} ({exc})") from None
+        if url or _address() or not start:
+            hint = "" if explicit or not url else (
+                "; this cluster's dashboard must listen where its nodes reach it: start the head with "
+                "--dashboard-host 0.0.0.0, or set RAY_API_SERVER_ADDRESS=http://HEAD:PORT")
+            raise JobError(f"no Ray Jobs API at {url or _address() or 'this machine'} ({exc}){hint}") from None
     args = ["start", "--head", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
     print("starting a local Ray cluster: ray " + " ".join(args), file=sys.stderr)
     proc = subprocess.run(ray_command(*args), capture_output=True, text=True, start_new_session=True)
@@ -72,11 +141,13 @@ def client(start: bool = True):
 
 def submit(input_path: str | Path, output: str | Path, job_id: str | None = None, replicas: int = 1, tp: int = 1,
            backend: str = "auto", parquet: bool = False, extra_args: list[str] | None = None, jobs=None) -> str:
-    """Submit a batch job; returns its id. Resubmitting an ended job's id with the same output resumes
-    it: rows already written are skipped, none is written twice."""
+    """Submit a batch job; returns its id. ``input_path``: a local file or the URI of one object in a
+    store; ``output``: a local folder or a store URI (the job's ``status.json``, ``parts/`` and
+    ``results.jsonl`` go there). Resubmitting an ended job's id with the same output resumes it: rows
+    already written are skipped, none is written twice."""
     from app.batch.io import read_input
 
-    input_path, output = Path(input_path).resolve(), Path(output).resolve()
+    input_path, output = location(input_path), location(output)
     next(iter(read_input(input_path, "")), None)  # fail fast on an unreadable input, before any job exists
     jobs = jobs or client()
     job_id = job_id or f"batch-{uuid.uuid4().hex[:12]}"
@@ -86,17 +157,24 @@ def submit(input_path: str | Path, output: str | Path, job_id: str | None = None
         if str(last.status) not in TERMINAL:
             raise JobError(f"job {job_id} is still {last.status}; stop it first (foreserve batch cancel {job_id})")
         old = (last.metadata or {}).get("output")
-        if old and Path(old) != output:
+        if old and location(old) != output:
             raise JobError(f"job {job_id} wrote to {old}; resubmit it with --output {old} to resume")
     args = [sys.executable, "-m", "foreserve.batch.job", str(input_path), "--output", str(output), "--replicas", str(replicas),
             "--tp", str(tp), "--backend", backend, *(["--parquet"] if parquet else []), *(extra_args or [])]
     env = env_vars(JOB_ENV)
-    output.mkdir(parents=True, exist_ok=True)
+    if "://" not in output:
+        Path(output).mkdir(parents=True, exist_ok=True)
     # NOTE: each (re)submission is its own Ray job, ``ID`` then ``ID.2``, ``ID.3``...: reusing a Ray
     # submission id right after a stop races with the old job's supervisor actor
     jobs.submit_job(entrypoint=shlex.join(args), submission_id=job_id if not attempts else f"{job_id}.{len(attempts) + 1}",
-                    runtime_env={"env_vars": env}, metadata={"job_id": job_id, "output": str(output), "input": str(input_path)})
+                    runtime_env={"env_vars": env}, metadata={"job_id": job_id, "output": output, "input": input_path})
     return job_id
+
+
+def location(where: str | Path) -> str:
+    """A job's input or output as the job is handed it: a store URI as it is, a local path absolute."""
+    text = str(where)
+    return text if "://" in text else str(Path(text).expanduser().resolve())
 
 
 def _attempts(jobs, job_id: str) -> list:
@@ -143,13 +221,28 @@ def wait(job_id: str, jobs=None, poll_s: float = 2.0, on_progress=None) -> dict:
         time.sleep(poll_s)
 
 
-def results_path(job_id: str, jobs=None) -> Path:
+def _results(job_id: str, jobs=None) -> tuple[ObjectStore, str]:
+    """The store of a finished job's output, and the key of its ``results.jsonl``."""
     report = status(job_id, jobs)
-    path = Path(report["output"] or ".") / "results.jsonl"
-    if report["ray_status"] != "SUCCEEDED" or not path.is_file():
+    output = ObjectStore(report["output"] or ".")
+    if report["ray_status"] != "SUCCEEDED" or not output.exists(RESULTS):
         raise JobError(f"job {job_id} has no results yet ({report['ray_status']}; {report.get('rows_done', 0)}"
                        f"/{report.get('rows_total', '?')} rows done)")
-    return path
+    return output, RESULTS
+
+
+def results_path(job_id: str, jobs=None) -> Path:
+    """A finished job's ``results.jsonl`` in its local output folder (JobError for a store URI: ``results``)."""
+    output, key = _results(job_id, jobs)
+    if output.local_root is None:
+        raise JobError(f"job {job_id} put its results in the store at {output.uri}: read them with results()")
+    return output.local_root / key
+
+
+def results(job_id: str, jobs=None) -> bytes:
+    """A finished job's ``results.jsonl``, from a local folder or a store."""
+    output, key = _results(job_id, jobs)
+    return output.get(key)
 
 
 def dumps(report: dict) -> str:

@@ -2,41 +2,77 @@
 generate on engine actors (``offline`` scheduler, ``reserve_predicted``: the engine code serving
 uses), and write OpenAI batch output lines exactly once (``app/batch/io.py``).
 
-Pipeline: the engine actors start loading → input rows through ``PredictStage`` (Ray Data
-``map_batches`` over one actor, batched MiniLM; it resolves the predictor version once for the job) →
-``plan_batches`` (sorted by predicted bound; S3: similar lengths travel together) →
-``EngineStage`` actors (one ``LLMEngine`` each; a batch is admitted at once so the scheduler packs
-it by predicted length), each taking the next batch when it finishes one. Each finished row is
-appended to the actor's own part file as soon as it finishes. An actor killed mid-batch is
-restarted by Ray and its batch retried: the retry skips rows a part already answers (and should one
-be answered twice anyway, ``finalize`` keeps the first answer). A job that is stopped and run again
-with the same output directory skips every line a part already answers.
+Pipeline: the engine actors start loading → the driver pins the predictor version (the champion's
+number, looked up once) → input rows through ``PredictStage`` (Ray Data ``map_batches`` over one
+actor, batched MiniLM, that exact version) → ``plan_batches`` (sorted by predicted bound; S3:
+similar lengths travel together) → ``EngineStage`` actors (one ``LLMEngine`` each; a batch is
+admitted at once so the scheduler packs it by predicted length), each taking the next batch when it
+finishes one.
 
-The actors are in ``foreserve/batch/stages.py``. ``python -m foreserve.batch.job INPUT --output DIR`` is the Ray
-Job's entrypoint (``foreserve batch submit``).
+Everything the job keeps is in its output store (a local folder or a store URI every node sees):
+each batch's finished rows go to ``parts/<batch>/`` in chunks of at most ``FLUSH_ROWS`` rows. An
+actor that dies (its process, or its node) is restarted by Ray up to ``MAX_RESTARTS`` times on any
+node that has its resources, and its batch retried: the retry skips the rows that batch already
+stored, so it regenerates at most one unstored chunk (and should a line be answered twice anyway,
+``finalize`` keeps the first answer). An actor not up within ``start_timeout_s`` of its start or
+restart (no node can take it, or its engine does not load) fails the job with a message naming it
+and what it needs. A job that is stopped and run again with the same output skips every line a part
+already answers, and keeps the predictor version its ``status.json`` records.
+
+The actors are in ``foreserve/batch/stages.py``. ``python -m foreserve.batch.job INPUT --output OUT``
+is the Ray Job's entrypoint (``foreserve batch submit``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from app.batch.io import InputRow, ResultStore, error_row, read_input, write_status
+from app import paths
+from app.batch.io import InputRow, ResultStore, error_row, read_input
 from foreserve.batch.stages import EngineStage, PredictStage, ServeStage, running_app
 from app.config import EngineConfig, load_pool_config
 from app.runtime_env import process_defaults
 
+logger = logging.getLogger(__name__)
 WORKER_NICENESS = 15  # Ray's default for worker processes
+MAX_RESTARTS = 3  # a job's actor is restarted this many times (its running batch retried as often), then the job fails
+START_TIMEOUT_S = 300.0  # an actor not up this long after its start or restart fails the job
+POLL_S = 5.0  # how often the driver checks on actors while batches run
+RESUBMIT_PAUSE_S = 1.0  # a batch whose actor is restarting goes again after this pause
+WAITING = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "RESTARTING")  # Ray's states of an actor not up yet
 
 
-def predict(todo: list[InputRow], predictor: str, threads: int, bound_quantile: float | None = None) -> list[dict]:
+def pin_predictor(predictor: str, recorded: dict | None = None) -> tuple[str, str]:
+    """``(what PredictStage loads, version label)``, fixed for the whole job: a registry name
+    (``champion``, a number) becomes the version number it points at now, looked up once here, so a
+    stage that Ray Data starts again loads the same version; a directory or ``max`` stays as it is;
+    a missing champion gives ``("max", "max-fallback")``. ``recorded``: the job's earlier
+    ``status.json``; a job resumed with the same ``predictor`` keeps the version pinned then."""
+    recorded = recorded or {}
+    if recorded.get("predictor") == predictor and recorded.get("predictor_source") and recorded.get("predictor_version"):
+        return str(recorded["predictor_source"]), str(recorded["predictor_version"])
+    from predictor.loading import resolve_predictor
+
+    store = paths.predictor_store()
+    source, version = resolve_predictor(predictor, store)
+    if (predictor == "champion" or predictor.isdigit()) and version.isdigit():
+        # NOTE: looking the number up caches it on this machine: a stage here loads it without MLflow
+        resolve_predictor(version, store)
+        source = version
+    return source, version
+
+
+def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bound_quantile: float | None = None) -> list[dict]:
     """Every row with its predicted bucket and bound (at ``bound_quantile``, the offline pool's):
-    Ray Data ``map_batches`` over one predictor actor, which resolves ``predictor`` once (one
-    version for the whole job)."""
+    Ray Data ``map_batches`` over one predictor actor that loads ``predictor`` (``pin_predictor``)."""
     import ray
 
     ctx = ray.data.DataContext.get_current()
@@ -49,7 +85,8 @@ def predict(todo: list[InputRow], predictor: str, threads: int, bound_quantile: 
     # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
     # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
     ds = ray.data.from_items(items).map_batches(
-        PredictStage, fn_constructor_kwargs={"predictor": predictor, "threads": threads, "bound_quantile": bound_quantile},
+        PredictStage, fn_constructor_kwargs={"predictor": predictor, "version": version, "threads": threads,
+                                             "bound_quantile": bound_quantile},
         compute=ray.data.ActorPoolStrategy(size=1), batch_size=64, num_cpus=0.25)
     return ds.take_all()
 
@@ -79,50 +116,136 @@ def engine_resources(engine: EngineConfig, engine_cpus: float, cluster_gpus: flo
     return {"num_cpus": engine_cpus * engine.tensor_parallel_size, "num_gpus": 1.0 if on_gpu else 0.0}
 
 
-def start_workers(backend: str, count: int, engine: EngineConfig, out_dir: Path, engine_cpus: float, app_name: str) -> list:
-    """The job's generation actors: ``EngineStage`` (an engine each) or one ``ServeStage``.
+@dataclass
+class Worker:
+    """One of the job's generation actors, the name the job's errors give it and the Ray resources it needs."""
 
-    Plain Ray actors, restarted when they die with their running batch retried (``run`` skips the
-    rows a part already answers). Not a Ray Data stage: once the rows are predicted, nothing of
-    Ray Data's executor polls beside the engines."""
+    actor: object
+    name: str
+    needs: dict[str, float]
+
+
+def start_workers(backend: str, count: int, engine: EngineConfig, out: str, engine_cpus: float, app_name: str,
+                  node_resources: dict[str, float] | None = None) -> list[Worker]:
+    """The job's generation actors: ``EngineStage`` (an engine each; ``node_resources``: custom Ray
+    resources each also needs, e.g. ``{"gpu_node": 0.01}`` to keep them on nodes that offer it) or
+    one ``ServeStage``.
+
+    Plain Ray actors, restarted up to ``MAX_RESTARTS`` times when they die, with their running batch
+    retried as often (``run`` skips the rows the batch already stored). Not a Ray Data stage: once
+    the rows are predicted, nothing of Ray Data's executor polls beside the engines."""
     import ray
 
-    stage = {"engine": engine.model_dump(mode="json"), "out_dir": str(out_dir)}
+    stage = {"engine": engine.model_dump(mode="json"), "out": out}
+    bounded = {"max_restarts": MAX_RESTARTS, "max_task_retries": MAX_RESTARTS}
     if backend == "serve":
-        actor = ray.remote(ServeStage).options(num_cpus=0.05, max_restarts=-1, max_task_retries=-1)
-        return [actor.remote(**stage, app_name=app_name)]
+        actor = ray.remote(ServeStage).options(num_cpus=0.05, **bounded)
+        return [Worker(actor.remote(**stage, app_name=app_name), "the serve stage actor", {"CPU": 0.05})]
     resources = engine_resources(engine, engine_cpus, ray.cluster_resources().get("GPU", 0.0))
-    actor = ray.remote(EngineStage).options(**resources, max_restarts=-1, max_task_retries=-1)
-    return [actor.remote(**stage) for _ in range(count)]
+    custom = dict(node_resources or {})
+    actor = ray.remote(EngineStage).options(**resources, resources=custom, **bounded)
+    needs = {"CPU": resources["num_cpus"], **({"GPU": resources["num_gpus"]} if resources["num_gpus"] else {}), **custom}
+    return [Worker(actor.remote(**stage), f"engine actor {i + 1} of {count}", needs) for i in range(count)]
 
 
-def generate(workers: list, batches: list[list[dict]], on_done) -> None:
-    """Each worker takes the next batch as soon as it finishes one; ``on_done(rows)`` per batch."""
+def actor_state(actor) -> str | None:
+    """The actor's state in Ray's GCS (``ALIVE``, ``PENDING_CREATION``, ``RESTARTING``, ``DEAD``...);
+    None when it cannot be read (a Ray internal: then no deadline applies)."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor_id=actor._actor_id.hex()).get("State")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class StartDeadline:
+    """Fails the job when a worker is not up (placed and its ``__init__`` done) ``timeout_s`` after
+    its start or its latest restart."""
+
+    def __init__(self, workers: list[Worker], timeout_s: float, started: float) -> None:
+        self.timeout_s = timeout_s
+        self.since = {w.name: started for w in workers}  # workers not seen up yet, since when
+
+    def check(self, workers: list[Worker]) -> None:
+        now = time.monotonic()
+        for w in workers:
+            state = actor_state(w.actor)
+            if state not in WAITING:
+                self.since.pop(w.name, None)
+                continue
+            waited = now - self.since.setdefault(w.name, now)
+            if waited > self.timeout_s:
+                how = "restarted after it died" if state == "RESTARTING" else "started"
+                raise RuntimeError(
+                    f"{w.name} was {how} {waited:.0f} s ago and is not up (Ray state {state}): it needs {w.needs}, "
+                    f"and no live node can take it or its engine did not load in time (--start-timeout "
+                    f"{self.timeout_s:.0f}); the cluster's resources: {_resources()}")
+
+
+def _resources() -> dict[str, float] | str:
+    try:
+        import ray
+
+        return {k: v for k, v in sorted(ray.cluster_resources().items()) if not k.startswith(("node:", "memory", "object_store"))}
+    except Exception:  # noqa: BLE001 - only a hint in an error message
+        return "unknown"
+
+
+def generate(workers: list[Worker], batches: list[list[dict]], on_done, run_id: str,
+             deadline: StartDeadline | None = None) -> None:
+    """Each worker takes the next batch as soon as it finishes one, batch ``i`` storing its rows
+    under ``parts/<run_id>-<i>/``; ``on_done(rows)`` per batch. Every ``POLL_S`` without a batch
+    done, ``deadline`` checks the workers (one that cannot be placed again fails the job)."""
     import ray
+    from ray.exceptions import RayActorError
 
-    queue = list(reversed(batches))
-    running = {w.run.remote(queue.pop()): w for w in workers if queue}
-    while running:
-        (ref,), _ = ray.wait(list(running), num_returns=1)
-        worker = running.pop(ref)
-        on_done(ray.get(ref))
+    queue = [(f"{run_id}-{i:06d}", batch) for i, batch in enumerate(batches)][::-1]
+    running = {}
+    for w in workers:
         if queue:
-            running[worker.run.remote(queue.pop())] = worker
+            key, batch = queue.pop()
+            running[w.actor.run.remote(batch, key)] = (w, key, batch)
+    while running:
+        done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
+        if not done:
+            if deadline is not None:
+                deadline.check([w for w, _, _ in running.values()])
+            continue
+        worker, key, batch = running.pop(done[0])
+        try:
+            on_done(ray.get(done[0]))
+        except RayActorError as exc:
+            state = actor_state(worker.actor)
+            if state == "DEAD":
+                raise RuntimeError(f"{worker.name} is gone for good (Ray restarts a job's actor {MAX_RESTARTS} times "
+                                   f"at most): {exc}") from exc
+            # NOTE: its node died and Ray is placing it again (Ray's own task retries can all be
+            # spent while it restarts); the batch goes again, skipping the rows it stored, and the
+            # deadline bounds how long the restart may take
+            logger.warning("%s is %s after %s; its batch %s goes again", worker.name, state, type(exc).__name__, key)
+            time.sleep(RESUBMIT_PAUSE_S)
+            running[worker.actor.run.remote(batch, key)] = (worker, key, batch)
+            continue
+        if queue:
+            key, batch = queue.pop()
+            running[worker.actor.run.remote(batch, key)] = (worker, key, batch)
 
 
 def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batch_size: int = 256,
             engine_overrides: dict | None = None, predictor: str = "champion", engine_cpus: float = 1.0,
-            backend: str = "auto", app_name: str = "foreserve", progress: bool = True) -> dict:
+            backend: str = "auto", app_name: str = "foreserve", progress: bool = True,
+            node_resources: dict[str, float] | None = None, start_timeout_s: float = START_TIMEOUT_S) -> dict:
     """Run (or resume) a batch job in the current Ray cluster. Returns the summary also written to
     ``status.json``; ``results.jsonl`` holds one line per non-blank input line, in input order.
 
-    ``backend``: ``actors`` (``replicas`` engine actors of the job's own), ``serve`` (the running
-    app's offline pool) or ``auto`` (serve when that app runs in this cluster)."""
+    ``input_path``: a local file or the URI of one object; ``out_dir``: a local folder or a store
+    URI. ``backend``: ``actors`` (``replicas`` engine actors of the job's own, each also needing
+    ``node_resources``), ``serve`` (the running app's offline pool) or ``auto`` (serve when that app
+    runs in this cluster). ``start_timeout_s``: see ``StartDeadline``."""
     import ray
     from tqdm import tqdm
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     overrides = {"scheduler": "offline", "allocation": "reserve_predicted", "tp_workers": "processes", **(engine_overrides or {})}
     engine = load_pool_config("offline", **overrides)
     if backend == "auto":
@@ -134,25 +257,31 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     bad = [r for r in rows if r.error is not None and r.line not in done]
     store.writer().append_many([error_row(r) for r in bad])
     todo = [r for r in rows if r.error is None and r.line not in done]
-    write_status(out_dir, state="running", input=str(input_path), backend=backend, rows_total=len(rows), rows_resumed=len(done),
-                 errors=sum(r.error is not None for r in rows), started_at=time.time(), finished_at=None,
-                 resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
+    recorded = store.status()
+    store.write_status(state="running", input=str(input_path), output=store.uri, backend=backend, rows_total=len(rows),
+                       rows_resumed=len(done), errors=sum(r.error is not None for r in rows), started_at=time.time(),
+                       finished_at=None, resumed_output_tokens=sum(r.output_tokens or 0 for r in answered.values()))
     t0 = time.perf_counter()
+    version = recorded.get("predictor_version")
     if todo:
         engines = 1 if backend == "serve" else replicas
-        # NOTE: the engine actors load while the rows are predicted
-        workers = start_workers(backend, engines, engine, out_dir, engine_cpus, app_name)
+        # NOTE: the engine actors load while the predictor is pinned and the rows are predicted
+        started = time.monotonic()
+        workers = start_workers(backend, engines, engine, store.uri, engine_cpus, app_name, node_resources)
         try:
+            source, version = pin_predictor(predictor, recorded)
+            store.write_status(predictor=predictor, predictor_source=source, predictor_version=version)
             # NOTE: the job's own engines have loaded (~2 s) by the time the predictor actor has
-            # started, resolved its version and loaded, so it predicts on an engine's threads;
-            # beside a Serve app, on one thread, leaving the cores to the online pool
+            # started and loaded, so it predicts on an engine's threads; beside a Serve app, on one
+            # thread, leaving the cores to the online pool
             threads = 1 if backend == "serve" else engine.torch_threads or os.cpu_count() or 1
-            predicted = predict(todo, predictor, threads, engine.bound_quantile)
+            predicted = predict(todo, source, version, threads, engine.bound_quantile)
             with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
-                generate(workers, plan_batches(predicted, batch_size, engines), bar.update)
+                generate(workers, plan_batches(predicted, batch_size, engines), bar.update, uuid.uuid4().hex[:8],
+                         StartDeadline(workers, start_timeout_s, started))
         finally:
             for worker in workers:
-                ray.kill(worker)
+                ray.kill(worker.actor)
     wall_s = time.perf_counter() - t0
     final = store.answered()
     results = store.finalize({r.line for r in rows}, final)
@@ -162,36 +291,34 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     summary = {"backend": backend, "rows": len(rows), "rows_resumed": len(done), "errors": len(bad), "ran": len(todo),
                "output_tokens": output_tokens, "wall_s": round(wall_s, 2),
                "output_tokens_per_s": round(output_tokens / wall_s, 2) if todo and wall_s > 0 else 0.0,
-               "results": str(results)}
-    write_status(out_dir, state="succeeded", finished_at=time.time(), summary=summary)
+               "predictor_version": version, "results": results}
+    store.write_status(state="succeeded", finished_at=time.time(), summary=summary)
     return summary
 
 
-def write_parquet(results: Path) -> Path:
-    """``results.parquet`` next to ``results.jsonl`` (bodies as JSON strings: their shape varies)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [json.loads(line) for line in results.read_text().splitlines()]
-    for row in rows:
-        for key in ("response", "error"):
-            row[key] = None if row[key] is None else json.dumps(row[key])
-    out = results.with_suffix(".parquet")
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out
+def _resource(text: str) -> tuple[str, float]:
+    name, _, amount = text.partition("=")
+    try:
+        return name, float(amount or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=AMOUNT, e.g. gpu_node=0.01") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     """The Ray Job's entrypoint: runs in the cluster that submitted it (``RAY_ADDRESS`` set by Ray Jobs)."""
     p = argparse.ArgumentParser("python -m foreserve.batch.job", description="run one foreserve batch job in the current Ray cluster")
-    p.add_argument("input")
-    p.add_argument("--output", required=True)
+    p.add_argument("input", help="JSONL or Parquet: a local file or the URI of one object (s3://bucket/in.jsonl?...)")
+    p.add_argument("--output", required=True, help="a folder or a store URI every node sees")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--predictor", default="champion")
     p.add_argument("--engine-cpus", type=float, default=1.0)
     p.add_argument("--engine", default="{}", help="JSON object of EngineConfig overrides")
+    p.add_argument("--engine-resource", type=_resource, action="append", default=[], metavar="NAME=AMOUNT",
+                   help="a custom Ray resource every engine actor also needs (repeatable)")
+    p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
+                   help=f"seconds an actor may take to be placed and loaded, at start or after a restart (default {START_TIMEOUT_S:.0f})")
     p.add_argument("--backend", choices=["auto", "actors", "serve"], default="auto")
     p.add_argument("--app-name", default="foreserve")
     p.add_argument("--parquet", action="store_true")
@@ -207,12 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = {"tensor_parallel_size": args.tp, **json.loads(args.engine)}
         summary = run_job(args.input, args.output, args.replicas, args.batch_size, overrides, args.predictor,
-                          args.engine_cpus, args.backend, args.app_name, progress=sys.stderr.isatty())
+                          args.engine_cpus, args.backend, args.app_name, progress=sys.stderr.isatty(),
+                          node_resources=dict(args.engine_resource), start_timeout_s=args.start_timeout)
+        if args.parquet:
+            ResultStore(args.output).write_parquet()
     except Exception as exc:
-        write_status(Path(args.output), state="failed", finished_at=time.time(), message=f"{type(exc).__name__}: {exc}")
+        try:
+            ResultStore(args.output).write_status(state="failed", finished_at=time.time(), message=f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - the job's own error is the one to report
+            logger.exception("could not record the failure in %s", args.output)
         raise
-    if args.parquet:
-        write_parquet(Path(summary["results"]))
     print(json.dumps(summary))
     return 0
 

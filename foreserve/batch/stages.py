@@ -1,17 +1,22 @@
 """The batch job's actors: ``PredictStage`` (Ray Data, the length predictor), ``EngineStage`` (an
-``LLMEngine`` of the job's own) and ``ServeStage`` (a running Serve app's offline pool); each
-finished row goes to the actor's own part file (``app/batch/io.py``). ``foreserve/batch/job.py`` drives them."""
+``LLMEngine`` of the job's own) and ``ServeStage`` (a running Serve app's offline pool). A batch's
+finished rows go to the job's output store in chunks of the actor's own under ``parts/<batch>/``
+(``app/batch/io.py``), so any node can run any batch. ``foreserve/batch/job.py`` drives them."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 from app import paths
 from app.api.errors import APIError
-from app.batch.io import InputRow, ResultRow, ResultStore, error_row, ok_row
+from app.batch.io import FLUSH_ROWS, InputRow, ResultRow, ResultStore, error_row, ok_row
 from app.config import EngineConfig
 from app.engine.request import EngineRequest, Prediction, SamplingParams
+
+logger = logging.getLogger(__name__)
+FEEDBACK_FLUSH_S = 1.0  # an engine's feedback records reach the store this often, and when a batch ends
 
 
 class PredictStage:
@@ -19,21 +24,19 @@ class PredictStage:
     ``bound_quantile`` of the predicted distribution), ``predictor_bound_tokens`` (the version's own,
     for the feedback record) and ``predictor_version`` columns.
 
-    ``predictor``: ``champion``, a registry version, a directory or ``max``, resolved here once
-    (``predictor.loading.resolve_predictor``; the job's one actor, so one version for every row,
-    and each row records it). Resolving here rather than in the driver lets the actor start
-    while the engines load: the registry lookup (MLflow's imports, ~1.5 s of CPU) was on the
-    job's critical path before Ray Data could start the actor."""
+    ``predictor`` is what the driver pinned at the job's start (``job.pin_predictor``): a registry
+    version number (downloaded into this node's cache if it is not there), a model directory or
+    ``max``; ``version`` labels it. A stage that Ray Data starts again loads that same version, and
+    one that cannot load it fails rather than predict with another."""
 
-    def __init__(self, predictor: str, threads: int = 1, bound_quantile: float | None = None) -> None:
+    def __init__(self, predictor: str, version: str, threads: int = 1, bound_quantile: float | None = None) -> None:
         t0 = time.perf_counter()
         from app.engine.model.hf_runner import on_short_lived_thread
-        from predictor.loading import load_predictor_or_max, resolve_predictor
+        from predictor.loading import load_predictor
 
-        store = paths.predictor_store()
-        source, version = resolve_predictor(predictor, store)
+        store = paths.predictor_store() if predictor.isdigit() else None
         # NOTE: Ray Data calls __call__ on another thread than __init__: see on_short_lived_thread
-        self.predictor = on_short_lived_thread(lambda: load_predictor_or_max(source, version=version, store=store))
+        self.predictor = on_short_lived_thread(lambda: load_predictor(predictor, version=version, store=store))
         # NOTE: the offline pool's quantile: what its engines reserve (None: the version's bound)
         self.offline_config = None if bound_quantile is None else EngineConfig(bound_quantile=bound_quantile)
         self.threads = threads
@@ -87,27 +90,39 @@ def _sampling(body, max_tokens: int) -> SamplingParams:
                           stop=body.stop_list, ignore_eos=body.ignore_eos)
 
 
-class EngineStage:
-    """Engine actor: runs batches of predicted rows through its own ``LLMEngine``; each row's
-    result is on disk as soon as it finishes, all of them before ``run`` returns."""
+def _flush_feedback(writer) -> None:
+    try:
+        writer.flush()
+    except Exception:  # noqa: BLE001 - feedback stays buffered for the next flush; the rows are what counts
+        logger.exception("could not store the batch's feedback records; kept for the next flush")
 
-    def __init__(self, engine: dict, out_dir: str) -> None:
+
+class EngineStage:
+    """Engine actor: runs batches of predicted rows through its own ``LLMEngine``. Finished rows
+    reach the store in chunks of at most ``FLUSH_ROWS`` (``PartWriter``), all of a batch's before
+    ``run`` returns; a retry of a batch skips the rows its earlier attempts stored."""
+
+    def __init__(self, engine: dict, out: str) -> None:
         t0 = time.perf_counter()
         from app.engine.engine import LLMEngine
+        from app.prepare.model_store import ensure_local_model
         from predictor.feedback import FeedbackWriter
 
         self.config = EngineConfig.model_validate(engine)
-        self.engine = LLMEngine.from_config(self.config, feedback=FeedbackWriter(paths.feedback_dir()))
+        ensure_local_model(self.config.model_path, paths.store())  # a node without it fetches it from the store
+        self.feedback = FeedbackWriter(paths.feedback_store(), flush_s=FEEDBACK_FLUSH_S)
+        self.engine = LLMEngine.from_config(self.config, feedback=self.feedback)
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({self.engine.pool.capacity_tokens} KV tokens)", flush=True)
-        self.store = ResultStore(out_dir)
-        self.results = self.store.writer()
+        self.store = ResultStore(out)
 
-    def run(self, batch: list[dict]) -> int:
-        """Generate every row of ``batch`` not answered yet; returns the number of rows in it."""
+    def run(self, batch: list[dict], key: str) -> int:
+        """Generate every row of ``batch`` not answered yet into ``parts/<key>/``; returns the
+        number of rows in the batch."""
         from app.api.prompt import chat_prompt
 
         config, rows = self.config, {}
-        for row, prediction, text in _rows(batch, self.store.done_lines()):
+        results = self.store.writer(key, flush_rows=FLUSH_ROWS)
+        for row, prediction, text in _rows(batch, self.store.done_lines(key)):
             try:
                 ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
                                               config.default_max_tokens)
@@ -116,7 +131,7 @@ class EngineStage:
                     tier="offline", prediction=prediction, predictor_text=text, stream_text=False))
             except (APIError, ValueError) as exc:  # too long for the context or for this replica's KV
                 row.error = f"line {row.line}: {exc}"
-                self.results.append(error_row(row))
+                results.append(error_row(row))
                 continue
             rows[req.request_id] = (row, req.predicted_output_tokens, [])
         while self.engine.has_unfinished_requests():
@@ -126,8 +141,10 @@ class EngineStage:
                 if out.finished:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
                                            out.num_output_tokens, out.finish_reason)
-                    self.results.append(ok_row(row, body, bound))
-        return len(batch)  # NOTE: progress only; the results are in the part files
+                    results.append(ok_row(row, body, bound))
+        results.flush()
+        _flush_feedback(self.feedback)
+        return len(batch)  # NOTE: progress only; the results are in the store
 
 
 SERVE_ATTEMPTS = 3  # a row whose offline replica goes away under it is sent again this many times in all
@@ -137,7 +154,7 @@ class ServeStage:
     """Actor that sends every row of a batch to a running foreserve app's offline pool (whose
     replicas run the same engine, and whose router and autoscaler see the batch's load) at once."""
 
-    def __init__(self, engine: dict, out_dir: str, app_name: str) -> None:
+    def __init__(self, engine: dict, out: str, app_name: str) -> None:
         from ray import serve
         from app.engine.text.tokenizer import load_tokenizer
 
@@ -146,8 +163,7 @@ class ServeStage:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.app_name = app_name
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
-        self.store = ResultStore(out_dir)
-        self.results = self.store.writer()
+        self.store = ResultStore(out)
 
     def _one(self, row: InputRow, prediction: Prediction, text: str) -> ResultRow:
         from app.api.prompt import chat_prompt
@@ -187,17 +203,22 @@ class ServeStage:
                                last["completion_tokens"], last["finish_reason"])
         return ok_row(row, body, prediction.bound_tokens)
 
-    def run(self, batch: list[dict]) -> int:
+    def run(self, batch: list[dict], key: str) -> int:
+        """Send every row of ``batch`` not answered yet; the answers go to ``parts/<key>/`` in chunks."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from deployments.pool_gate import wait_until_up
 
-        rows = list(_rows(batch, self.store.done_lines()))
+        results = self.store.writer(key, flush_rows=FLUSH_ROWS)
+        rows = list(_rows(batch, self.store.done_lines(key)))
         if rows:  # NOTE: one controller query per batch, not per row: do not wake a pool yielded to online
             wait_until_up(self.app_name, "offline")
         with ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
-            for future in as_completed([pool.submit(self._one, *args) for args in rows]):
-                self.results.append(future.result())
+            try:
+                for future in as_completed([pool.submit(self._one, *args) for args in rows]):
+                    results.append(future.result())
+            finally:
+                results.flush()  # NOTE: what finished before a failure stays answered
         return len(batch)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
 
@@ -18,6 +17,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     extra = ["--batch-size", str(args.batch_size), "--engine-cpus", str(args.engine_cpus)]
     extra += (["--predictor", args.predictor] if args.predictor else []) + (["--engine", args.engine] if args.engine else [])
+    extra += [f"--engine-resource={r}" for r in args.engine_resource]
+    extra += ["--start-timeout", str(args.start_timeout)] if args.start_timeout is not None else []
     job_id = jobs.submit(args.input, args.output, args.job_id, args.replicas, args.tp, args.backend, args.parquet, extra)
     print(f"submitted {job_id} (output: {args.output}); follow it with: foreserve batch status {job_id}")
     if not args.wait:
@@ -52,13 +53,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_results(args: argparse.Namespace) -> int:
     from app.batch import jobs
 
-    path = jobs.results_path(args.job_id)
+    data = jobs.results(args.job_id)  # NOTE: from its output folder or store URI
     if args.to:
-        shutil.copyfile(path, args.to)
+        with open(args.to, "wb") as f:
+            f.write(data)
         print(f"wrote {args.to}", file=sys.stderr)
     else:
-        with open(path, encoding="utf-8") as f:
-            shutil.copyfileobj(f, sys.stdout)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
     return 0
 
 
@@ -77,8 +79,9 @@ def add_parser(sub) -> None:
                          description="Rows in OpenAI's batch format ({custom_id, method, url, body}); results.jsonl in the "
                                      "output dir has one line per input line. The same --job-id and --output resume a "
                                      "stopped job without redoing or duplicating rows.")
-    s.add_argument("input", help="JSONL or Parquet file")
-    s.add_argument("--output", required=True, help="output directory (results.jsonl, status.json, parts/)")
+    s.add_argument("input", help="JSONL or Parquet: a local file or the URI of one object (s3://bucket/rows.jsonl?...)")
+    s.add_argument("--output", required=True, help="a folder or a store URI for results.jsonl, status.json and parts/ "
+                   "(on a cluster: one every node sees)")
     s.add_argument("--job-id", help="Ray job submission id (default: generated); reuse it to resume")
     s.add_argument("--wait", action="store_true", help="follow progress until the job ends")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each engine actor")
@@ -90,6 +93,11 @@ def add_parser(sub) -> None:
     s.add_argument("--predictor", help="champion (default), a registry version, a model dir or max")
     s.add_argument("--engine", metavar="JSON", help='engine settings over the offline pool\'s, e.g. \'{"kv_cache_tokens": 16384}\'')
     s.add_argument("--engine-cpus", type=float, default=1.0, help="Ray CPUs per engine actor and TP rank (default 1)")
+    s.add_argument("--engine-resource", action="append", default=[], metavar="NAME=AMOUNT",
+                   help="a custom Ray resource every engine actor also needs, e.g. gpu_node=0.01 (repeatable)")
+    s.add_argument("--start-timeout", type=float, metavar="S",
+                   help="seconds an engine actor may take to be placed and loaded, at start or after a restart, "
+                        "before the job fails (default 300)")
     s.add_argument("--parquet", action="store_true", help="also write results.parquet")
     s.set_defaults(func=cmd_submit)
     st = batch.add_parser("status", help="a job's state and progress (rows done/total, output tokens/s)")

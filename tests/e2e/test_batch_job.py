@@ -1,6 +1,7 @@
 """Small real batch jobs on Ray Data with the real model: per-row errors, results in input order,
-one output line per input line, feedback records; exactly once when a job is resumed, when an engine
-actor is killed mid-batch, and when a Ray Job is stopped and resubmitted with the same id."""
+one output line per input line, feedback records and the pinned predictor version; exactly once when
+a job is resumed, when an engine actor is killed mid-batch, and when a Ray Job is stopped and
+resubmitted with the same id; a job whose engine actors no node can take fails, naming them."""
 
 from __future__ import annotations
 
@@ -61,9 +62,8 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
     import ray
 
     from foreserve.batch.job import run_job
-    from app.batch.io import ResultStore, ResultRow
+    from app.batch.io import ResultStore
     from predictor.feedback import read_feedback
-    from predictor.records import read_records
 
     env = _home(tmp_path, monkeypatch)
     home = Path(env["FORESERVE_HOME"])
@@ -87,6 +87,9 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
         assert "already used on line 1" in lines[6]["error"]["message"]
         feedback = read_feedback(home / "feedback")
         assert len(feedback) == 5 and {f.tier for f in feedback} == {"offline"}
+        status = ResultStore(out).status()
+        assert status["state"] == "succeeded" and status["predictor"] == "max"
+        assert {f.predictor_version for f in feedback} == {status["predictor_version"]} == {summary["predictor_version"]}
 
         again = run_job(src, out, replicas=1, batch_size=3, engine_overrides=overrides, predictor="max", engine_cpus=0.5, progress=False)
         assert again["rows_resumed"] == 7 and again["ran"] == 0
@@ -94,9 +97,9 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
 
         # a job stopped after some rows: drop two answered rows from the parts, resubmit, get them back once
         store = ResultStore(out)
-        kept = [r for r in read_records(store.parts, ResultRow)[0] if r.line not in (4, 6)]
-        for part in store.parts.glob("*.jsonl"):
-            part.unlink()
+        kept = [r for r in store.rows() if r.line not in (4, 6)]
+        for key in store.parts.keys():
+            store.parts.delete(key)
         store.writer().append_many(kept)
         resumed = run_job(src, out, replicas=1, batch_size=3, engine_overrides=overrides, predictor="max", engine_cpus=0.5, progress=False)
         assert resumed["rows_resumed"] == 5 and resumed["ran"] == 2
@@ -136,11 +139,8 @@ def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path,
         assert killed, "the engine actor was never killed"
         assert summary["rows"] == 6
         _once(Path(summary["results"]), 6)
-        from app.batch.io import ResultRow
-        from predictor.records import read_records
-
-        written = [r.line for r in read_records(ResultStore(out).parts, ResultRow)[0]]
-        assert sorted(written) == list(range(1, 7))  # the retried batch skipped the rows already written
+        written = [r.line for r in ResultStore(out).rows()]
+        assert sorted(written) == list(range(1, 7))  # the retried batch skipped the rows already stored
     finally:
         ray.shutdown()
 
@@ -178,5 +178,25 @@ def test_ray_job_stopped_and_resubmitted_with_same_id_resumes(tmp_path: Path, mo
         assert done["summary"]["rows_resumed"] >= stopped["rows_done"]  # rows may land while it stops
         assert done["summary"]["ran"] == 6 - done["summary"]["rows_resumed"]
         _once(jobs.results_path(job, client), 6)
+    finally:
+        ray.shutdown()
+
+
+def test_engine_actors_no_node_can_take_fail_the_job_naming_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import ray
+
+    from foreserve.batch.job import run_job
+
+    env = _home(tmp_path, monkeypatch)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    _sums(src, 2, 4)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"engine actor 1 of 1 was started \d+ s ago and is not up \(Ray state "
+                                               r"PENDING_CREATION\): it needs .*'nowhere': 1\.0"):
+            run_job(src, out, engine_overrides=OVERRIDES, predictor="max", engine_cpus=0.5, backend="actors",
+                    progress=False, node_resources={"nowhere": 1.0}, start_timeout_s=5)
+        assert time.monotonic() - t0 < 120
     finally:
         ray.shutdown()

@@ -1,5 +1,5 @@
 """Batch job input/output: per-line errors, duplicate custom_ids, the default model, an unreadable
-file, and exactly-once results across workers, a crashed writer and a resumed job."""
+file, and exactly-once results across workers, a record cut short and a resumed job."""
 
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ def test_results_exactly_once_across_workers_crashes_and_resume(tmp_path: Path):
     first.append(ok_row(rows[0], _completion(4), predicted_tokens=102))
     second.append(ok_row(rows[1], _completion(9), predicted_tokens=102))
     second.append(ok_row(rows[0], _completion(5), predicted_tokens=102))  # a retried worker answers row 1 again
-    with open(first.path, "ab") as f:
-        f.write(b'{"id": "batch_req_3", "custom_id": "r2", "li')  # killed mid-line
+    store.parts.put("old-layout.jsonl", b'{"id": "batch_req_3", "custom_id": "r2", "li')  # a record cut short is skipped
     assert store.done_lines() == {1, 2}
     with pytest.raises(RuntimeError, match="5 input lines have no result"):
         store.finalize({r.line for r in rows})
@@ -78,7 +77,8 @@ def test_results_exactly_once_across_workers_crashes_and_resume(tmp_path: Path):
             continue
         resumed.append(error_row(row) if row.error else ok_row(row, _completion(row.line), predicted_tokens=204))
     out = store.finalize({r.line for r in rows})
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert out == str(tmp_path / "out" / "results.jsonl")
+    lines = [json.loads(x) for x in Path(out).read_text().splitlines()]
     assert len(lines) == len(rows) == 7 and [x["line"] for x in lines] == [1, 2, 3, 4, 5, 6, 7]
     assert lines[0]["response"]["body"]["usage"]["completion_tokens"] in (4, 5)  # one of the two answers, once
     assert lines[1]["custom_id"] == "r1" and lines[1]["output_tokens"] == 9 and lines[1]["predicted_tokens"] == 102
@@ -122,14 +122,14 @@ def test_status_counts_rows_from_parts_while_running(tmp_path):
 def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
     import pyarrow.parquet as pq
 
-    from foreserve.batch.job import write_parquet
     from foreserve.batch.stages import completion_body
     from app.batch.io import InputRow
 
     store = ResultStore(tmp_path)
     body = completion_body("r1", MODEL, "hi", 5, 2, "stop")
     store.writer().append_many([ok_row(InputRow(2, "b"), body, 8), error_row(InputRow(1, None, error="line 1: invalid JSON"))])
-    table = pq.read_table(write_parquet(store.finalize({1, 2}))).to_pylist()
+    store.finalize({1, 2})
+    table = pq.read_table(store.write_parquet()).to_pylist()
     assert [r["line"] for r in table] == [1, 2] and table[0]["response"] is None
     assert json.loads(table[0]["error"])["message"] == "line 1: invalid JSON"
     assert json.loads(table[1]["response"])["body"]["usage"]["completion_tokens"] == 2 == table[1]["output_tokens"]
@@ -137,7 +137,7 @@ def test_results_parquet_has_every_line_and_json_bodies(tmp_path: Path):
 
 def test_batch_api_without_a_ray_job_loses_nothing(tmp_path: Path, monkeypatch):
     """A submit that fails leaves no batch behind (503); a batch whose Ray job is gone (cluster
-    restarted) reports what its job left on disk instead of failing the request."""
+    restarted) reports what its job left in the store instead of failing the request."""
     from app.batch import jobs
     from app.api.errors import APIError
     from app.batch.io import write_status
@@ -153,13 +153,12 @@ def test_batch_api_without_a_ray_job_loses_nothing(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(jobs, "submit", gone)
     with pytest.raises(APIError) as exc:
         store.create(request)
-    assert exc.value.status_code == 503 and not list(tmp_path.glob("batch_*.json"))
+    assert exc.value.status_code == 503 and not [k for k in store.store.keys() if k.startswith("batch_")]
 
     monkeypatch.setattr(jobs, "submit", lambda *a, **k: "ok")
     done, lost = store.create(request), store.create(request)
     monkeypatch.setattr(jobs, "status", gone)
-    out = tmp_path / done.id
-    out.mkdir()  # (jobs.submit makes it)
+    out = store.output_uri(done.id)  # what the job was handed
     write_status(out, state="succeeded", rows_total=1, started_at=1.0, finished_at=2.0)
     ResultStore(out).writer().append_many([error_row(InputRow(1, "a", error="x"))])
     ResultStore(out).finalize({1})
