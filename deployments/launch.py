@@ -175,6 +175,9 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
                 print(f"node {report['node_ip']}: fetched the model from the store", file=sys.stderr, flush=True)
     serve.start(proxy_location=proxy_location, http_options=http)
     client = _get_global_client()
+    if joined:  # a declarative deploy deletes the declarative apps it leaves out: keep the others'
+        others = other_declarative_apps(client.get_serve_details(), entry["name"])
+        schema = ServeDeploySchema.model_validate({**schema.model_dump(exclude_unset=True), "applications": [*others, entry]})
     client.deploy_apps(schema, _blocking=False)
     _deployed.update(app=entry["name"], joined=joined)
     # NOTE: on a cluster where Serve already runs, its HTTP options are the ones it started with
@@ -184,6 +187,14 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     for problem in health.get("problems") or []:
         print(f"foreserve is degraded: {problem}", file=sys.stderr, flush=True)
     return url, time.perf_counter() - t0, config
+
+
+def other_declarative_apps(details: dict, ours: str) -> list[dict]:
+    """The configs of the applications other people deployed from config files (``serve deploy``) on
+    the cluster, as Serve's details report them, without ``ours``: Serve's declarative API deletes
+    every declarative app a new config leaves out, so foreserve's deploy carries them along."""
+    return [app["deployed_app_config"] for name, app in (details.get("applications") or {}).items()
+            if name != ours and app.get("source") == "declarative" and app.get("deployed_app_config")]
 
 
 def metrics_urls() -> list[str]:

@@ -34,6 +34,18 @@ def _apps() -> dict[str, str]:
     return {name: app.status.value for name, app in serve.status().applications.items()}
 
 
+def _deploy_declaratively(cluster, port: int) -> None:
+    """A small app deployed as ``serve deploy config.yaml`` does (Serve's declarative API: a later
+    declarative deploy that leaves it out deletes it). Its code is one Ray ships for its own tests."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {"name": "their-config", "route_prefix": "/theirs", "import_path": "ray.serve._private.test_utils:get_pid_entrypoint",
+           "deployments": [{"name": "GetPID", "ray_actor_options": {"num_cpus": 0.05, **cluster.pin("node_a")}}]}
+    schema = {"proxy_location": "HeadOnly", "http_options": {"host": "0.0.0.0", "port": port}, "applications": [app]}
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(schema), _blocking=True)
+
+
 def test_serve_joins_a_shared_cluster_and_leaves_the_other_apps_alone(cluster, tmp_path: Path):
     from ray import serve
 
@@ -43,6 +55,7 @@ def test_serve_joins_a_shared_cluster_and_leaves_the_other_apps_alone(cluster, t
     serve.start(http_options={"host": "0.0.0.0", "port": port})  # someone else's Serve, and their app
     other = PredictorDeployment.options(ray_actor_options={"num_cpus": 0.1, **cluster.pin("node_a")})
     theirs = serve.run(other.bind({"source": "max"}), name="someone-else", route_prefix=None)
+    _deploy_declaratively(cluster, port)  # and an app of theirs from a config file (`serve deploy`)
     started_s = theirs.info.remote().result(timeout_s=60)["up_s"]
     client_home = tmp_path / "client"  # the machine foreserve serve runs on: the model, nothing else
     (client_home / "models").mkdir(parents=True)
@@ -51,7 +64,7 @@ def test_serve_joins_a_shared_cluster_and_leaves_the_other_apps_alone(cluster, t
     refused = _serve(cluster, client_home)  # no MLFLOW_TRACKING_URI: the client's sqlite file
     assert refused.returncode != 0
     assert "this Ray cluster has 4 nodes, but the predictor registry is sqlite:///" in refused.stderr
-    assert _apps() == {"someone-else": "RUNNING"}
+    assert _apps() == {"someone-else": "RUNNING", "their-config": "RUNNING"}
 
     server = TrackingServer(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"), port=free_port(),
                             log_path=tmp_path / "mlflow.log")
@@ -60,5 +73,5 @@ def test_serve_joins_a_shared_cluster_and_leaves_the_other_apps_alone(cluster, t
     assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-3000:]
     assert f"foreserve is up at http://{cluster.head_ip}:{port} " in served.stdout  # Serve's port, the head's address
     assert "foreserve is degraded: predictor serves max reservation: champion: RegistryError: no champion" in served.stderr
-    assert _apps() == {"someone-else": "RUNNING"}  # foreserve's app is gone; theirs runs on
+    assert _apps() == {"someone-else": "RUNNING", "their-config": "RUNNING"}  # foreserve's app is gone; theirs run on
     assert serve.get_app_handle("someone-else").info.remote().result(timeout_s=60)["up_s"] > started_s  # the same replica
