@@ -17,8 +17,9 @@ PROCESS_ENV = ("FORESERVE_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "ML
 # Serve replicas also get the API keys' digests (never the keys: deployments.launch turns
 # FORESERVE_API_KEYS into FORESERVE_API_KEY_SHA256) and the step trace switch.
 SERVE_ENV = PROCESS_ENV + ("FORESERVE_API_KEY_SHA256", "FORESERVE_STEP_TRACE")
-# A batch job's driver joins the cluster itself, so it needs the cluster's auth settings.
-JOB_ENV = PROCESS_ENV + ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+# A batch job's driver joins the cluster itself: it gets the auth mode, never the token (a runtime_env
+# is shown in the dashboard; the driver runs on a node of the cluster, which has the token already).
+JOB_ENV = PROCESS_ENV + ("RAY_AUTH_MODE",)
 
 
 def process_defaults() -> None:

@@ -32,3 +32,15 @@ def test_the_replicas_get_digests_never_the_keys(monkeypatch: pytest.MonkeyPatch
     assert ApiKeys(digests=env["FORESERVE_API_KEY_SHA256"].split(",")).accepts("sk-two")
     joined = replica_env(joined=True)  # every node of a cluster keeps its own data dir
     assert "FORESERVE_HOME" not in joined and joined["FORESERVE_API_KEY_SHA256"] == env["FORESERVE_API_KEY_SHA256"]
+
+
+def test_a_batch_jobs_environment_carries_no_ray_token(monkeypatch):
+    """A job's runtime_env is shown in Ray's dashboard: the cluster's auth token never goes there (the
+    job's driver runs on the cluster, whose nodes have their own)."""
+    from app.runtime_env import JOB_ENV, env_vars
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "s3cret-token")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    env = env_vars(JOB_ENV)
+    assert "RAY_AUTH_TOKEN" not in env and env["RAY_AUTH_MODE"] == "token"
+    assert "s3cret-token" not in repr(env)

@@ -71,14 +71,18 @@ class RayTPRunner(Runner):
         worker = ray.remote(RankWorker)
         self._actors = []
         for rank in range(world):
-            options: dict = {"runtime_env": {"env_vars": {**base_env, **rank_env(rank, world, master_addr, port, threads)}},
-                             "max_restarts": 0}
+            options: dict = {"max_restarts": 0}
+            gpus = 0.0
             if pg is not None:
                 bundle = pg.bundle_specs[first + rank]
-                options.update(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                gpus = bundle.get("GPU", 0)
+                options.update(num_cpus=bundle.get("CPU", 0), num_gpus=gpus,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank))
             else:
                 options.update(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            # NOTE: a rank given its GPU by Ray sees that one only (CUDA_VISIBLE_DEVICES): it is its device 0
+            env = rank_env(rank, world, master_addr, port, threads, local_rank=0 if gpus else None)
+            options["runtime_env"] = {"env_vars": {**base_env, **env}}
             self._actors.append(worker.options(**options).remote(rank, world, self.config, num_blocks, port))
         try:
             self.rank_info = self._gather([a.info.remote() for a in self._actors], STARTUP_TIMEOUT_S)

@@ -84,7 +84,7 @@ def _error(exc: BaseException) -> tuple[str, object, str]:
 
 def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: int, master_port: int):
     """Rank-side setup (a process or a Ray actor, with the rank's env vars already set): join the
-    gloo group, shard the model with DeepSpeed AutoTP, wrap it in an ``HFRunner`` over this rank's
+    process group (gloo on CPUs, NCCL on GPUs), shard the model with DeepSpeed AutoTP, wrap it in an ``HFRunner`` over this rank's
     KV shard."""
     import torch
 
@@ -98,7 +98,7 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
     from app.engine.model.hf_runner import HFRunner, torch_dtype
 
     dtype = torch_dtype(config.dtype)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    deepspeed.init_distributed(dist_backend=dist_backend(config.device), auto_mpi_discovery=False, verbose=False)
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
     engine = deepspeed.init_inference(
         model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=False
@@ -109,11 +109,22 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
     return runner
 
 
-def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads: int) -> dict[str, str]:
-    """What one rank needs in its environment (LOCAL_SIZE = world: DeepSpeed's CPU shm all-reduce)."""
+def dist_backend(device: str) -> str:
+    """The process group's backend: NCCL between GPUs, gloo (with DeepSpeed's shm all-reduce) on CPUs."""
+    import torch
+
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if on_gpu else "gloo"
+
+
+def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads: int,
+             local_rank: int | None = None) -> dict[str, str]:
+    """What one rank needs in its environment (LOCAL_SIZE = world: DeepSpeed's CPU shm all-reduce).
+    ``local_rank``: the rank's GPU among those it sees; a Ray actor given one GPU sees only it (0);
+    None: ``rank`` (processes on one machine that see every GPU)."""
     return {
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
-        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world),
+        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank if local_rank is None else local_rank), "LOCAL_SIZE": str(world),
         "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
 
