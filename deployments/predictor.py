@@ -137,7 +137,7 @@ class PredictorDeployment:
     def __init__(self, config: dict | None = None, store: str = "") -> None:
         process_defaults()  # NOTE: a replica is a process of its own; before MLflow is first imported
         self.store = paths.predictor_store()
-        self.feedback = paths.feedback_store(store)
+        self.state = paths.store(store)
         self.registry_up = Gauge("foreserve_predictor_registry_up", "1 when the predictor's last registry poll "
                                  "reached the registry, 0 when it failed (it serves its last champion meanwhile).")
         self.server = self._server(PredictorConfig.model_validate(config or {}))
@@ -146,8 +146,7 @@ class PredictorDeployment:
     def _server(self, config: PredictorConfig) -> LengthPredictorServer:
         trigger = None
         if config.retrain_enabled:
-            trigger = ClusterRetrainTrigger(config, self.store, self.feedback, paths.traces_dir(),
-                                            serve.get_replica_context().app_name)
+            trigger = ClusterRetrainTrigger(config, self.store, self.state, serve.get_replica_context().app_name)
         return LengthPredictorServer(config, trigger, self.store, on_registry=lambda ok: self.registry_up.set(float(ok)))
 
     def reconfigure(self, config: dict) -> None:

@@ -31,11 +31,11 @@ CALL_TIMEOUT_S = 60.0  # a tick scans the feedback; a trigger that takes longer 
 class RetrainTrigger:
     """Submits one retraining Ray task at a time when new feedback meets the policy."""
 
-    def __init__(self, config: PredictorConfig, store: Store, feedback: ObjectStore, trace_dir) -> None:
+    def __init__(self, config: PredictorConfig, store: Store, state: ObjectStore) -> None:
         self.policy = config.retrain
-        self.store = store
-        self.feedback = feedback
-        self.trace_dir = trace_dir
+        self.store = store  # the predictor registry
+        self.state = state  # foreserve's store: the feedback, and the model for traces where the task runs
+        self.feedback = state.child("feedback")
         self.running = None  # ObjectRef of the retraining task in flight
         self.last_summary: dict | None = None
         self.submitted = 0
@@ -46,7 +46,7 @@ class RetrainTrigger:
         when no learned champion serves (nothing to continue from)."""
         import ray
 
-        from predictor.training.retrain import retrain_due, submit_retrain
+        from predictor.training.retrain import retrain_due
 
         if self.running is not None:
             done, _ = ray.wait([self.running], timeout=0)
@@ -66,8 +66,8 @@ class RetrainTrigger:
         reason = retrain_due(self.policy, spec, self.feedback, self.store)
         if reason is not None:
             logger.info("retraining the predictor: %s", reason)
-            self.running = submit_retrain(self.policy, self.feedback, store=self.store, trace_dir=self.trace_dir,
-                                          setup=process_defaults)
+            task = ray.remote(num_cpus=self.policy.num_cpus, max_retries=0)(retrain_here)
+            self.running = task.remote(self.policy, self.store, self.state)
             self.submitted += 1
 
     def info(self) -> dict:
@@ -75,12 +75,30 @@ class RetrainTrigger:
                 "last_retrain": self.last_summary}
 
 
+def retrain_here(policy, store: Store, state: ObjectStore) -> dict:
+    """The retraining task, on whatever node Ray runs it: that node's process defaults, and the
+    traces whose examples the policy mixes in built there (from the packaged dataset, with the model
+    fetched from the store if the node lacks it), then ``retrain_from_feedback``."""
+    from app import paths
+    from predictor.training.retrain import retrain_from_feedback
+
+    process_defaults()
+    trace_dir = None
+    if policy.original_examples:
+        from app.prepare.model_store import ensure_local_model
+        from app.prepare.traces import ensure_traces
+
+        ensure_local_model(paths.model_dir(), state)
+        trace_dir = ensure_traces()
+    return retrain_from_feedback(policy, state.child("feedback"), store=store, trace_dir=trace_dir)
+
+
 class RetrainActor:
     """``RetrainTrigger`` as the cluster's one named actor (0 CPUs: it decides, the task trains)."""
 
-    def __init__(self, config: dict, store: Store, feedback: ObjectStore, trace_dir) -> None:
+    def __init__(self, config: dict, store: Store, state: ObjectStore) -> None:
         process_defaults()
-        self.trigger = RetrainTrigger(PredictorConfig.model_validate(config), store, feedback, trace_dir)
+        self.trigger = RetrainTrigger(PredictorConfig.model_validate(config), store, state)
 
     def tick(self, spec, policy: dict) -> dict:
         self.trigger.policy = PredictorConfig.model_validate({"retrain": policy}).retrain  # the latest reconfigure's
@@ -95,8 +113,8 @@ class ClusterRetrainTrigger:
     """A replica's side of the one trigger: finds (or creates) the app's ``RetrainActor`` by name and
     lets it decide. Same ``tick``/``info`` as ``RetrainTrigger``."""
 
-    def __init__(self, config: PredictorConfig, store: Store, feedback: ObjectStore, trace_dir, app_name: str) -> None:
-        self.config, self.store, self.feedback, self.trace_dir = config, store, feedback, trace_dir
+    def __init__(self, config: PredictorConfig, store: Store, state: ObjectStore, app_name: str) -> None:
+        self.config, self.store, self.state = config, store, state
         self.name = f"{app_name}-retrain"
         self._info: dict = {"retrains_submitted": 0, "retrain_running": False, "last_retrain": None}
         self._actor = None
@@ -107,7 +125,7 @@ class ClusterRetrainTrigger:
         if self._actor is None:
             remote = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(RetrainActor)
             self._actor = remote.options(name=self.name, namespace=NAMESPACE, get_if_exists=True).remote(
-                self.config.model_dump(mode="json"), self.store, self.feedback, self.trace_dir)
+                self.config.model_dump(mode="json"), self.store, self.state)
         return self._actor
 
     def tick(self, spec) -> None:

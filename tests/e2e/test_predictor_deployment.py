@@ -66,7 +66,7 @@ def test_a_declined_retrain_holds_the_trigger(monkeypatch: pytest.MonkeyPatch):
     from predictor.object_store import ObjectStore
 
     trigger = RetrainTrigger(PredictorConfig.model_validate({"retrain": {"retry_after_s": 600}}), paths.predictor_store(),
-                             ObjectStore(paths.feedback_dir()), paths.traces_dir())
+                             ObjectStore(paths.home()))
     trigger.running = "task"
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
     monkeypatch.setattr(ray, "get", lambda ref: {"retrained": False, "reason": "too little usable feedback"})
