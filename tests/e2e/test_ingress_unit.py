@@ -15,6 +15,7 @@ from deployments.chat import ChatResult
 from deployments.engine_server import PredictionWindow
 from deployments.pool_gate import PoolGate
 from predictor.buckets import LengthBuckets
+from tests.fake_handles import Handle
 
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # imports Ray Serve, starts nothing
 
@@ -224,24 +225,6 @@ def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
     assert broken.cancelled and not rest.cancelled and Metrics.resumes == 1
 
 
-class _Remote:
-    def __init__(self, answer) -> None:
-        self.answer = answer
-
-    def remote(self):
-        async def answer():
-            if isinstance(self.answer, Exception):
-                raise self.answer
-            return self.answer
-        return answer()
-
-
-class _Handle:
-    def __init__(self, **methods) -> None:
-        for name, answer in methods.items():
-            setattr(self, name, _Remote(answer))
-
-
 @pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")  # Serve's wrapper, never started
 @pytest.mark.parametrize(("predictor_info", "problems"), [
     ({"version": "3", "unavailable": None}, []),
@@ -255,13 +238,13 @@ def test_health_is_degraded_while_the_predictor_serves_without_its_champion(pred
 
     ingress = object.__new__(Ingress.func_or_class)
     stats = {"num_running": 0, "num_waiting": 0, "kv_free_tokens": 100}
-    ingress.pools = {"online": _Handle(stats=stats), "offline": _Handle(stats=RuntimeError("replica died"))}
-    ingress.predictor = _Handle(info=predictor_info)
+    ingress.pools = {"online": Handle(stats=stats), "offline": Handle(stats=RuntimeError("replica died"))}
+    ingress.predictor = Handle(info=predictor_info)
     ingress._replica_states = lambda: {"online": {"RUNNING": 1}, "offline": {"RUNNING": 1}}
     ingress.model_id, ingress.predictor_fallbacks = "m", 0
     ingress.offline_gate = type("Gate", (), {"held_requests": 0})()
     health = json.loads(asyncio.run(ingress.health()).body)
     assert health["status"] == "degraded" and health["problems"] == ["pool offline: RuntimeError", *problems]
-    ingress.pools["offline"] = _Handle(stats=stats)
+    ingress.pools["offline"] = Handle(stats=stats)
     health = json.loads(asyncio.run(ingress.health()).body)
     assert health["status"] == ("degraded" if problems else "ok") and health["problems"] == problems

@@ -5,25 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from deployments.health import is_serving, report
-
-
-class Call:
-    def __init__(self, answer) -> None:
-        self.answer = answer
-
-    def remote(self):
-        async def answer():
-            if isinstance(self.answer, Exception):
-                raise self.answer
-            return self.answer
-
-        return answer()
-
-
-class Handle:
-    def __init__(self, **methods) -> None:
-        for name, answer in methods.items():
-            setattr(self, name, Call(answer))
+from tests.fake_handles import Handle
 
 
 STATES = {"online": {"RUNNING": 1}, "offline": {"RUNNING": 1}}
