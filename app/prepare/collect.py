@@ -56,7 +56,7 @@ def collect_feedback(
         default_max_tokens=max_tokens, max_model_len_tokens=max_tokens + 1024, torch_threads=torch_threads,
     )
     predictor = load_predictor_or_max("champion", store=store)
-    with FeedbackWriter(root) as writer:
+    with FeedbackWriter(root, flush_s=1.0) as writer:  # NOTE: a stopped run loses at most a second; resume redoes it
         engine = LLMEngine.from_config(config, predictor=predictor, feedback=writer)
         try:
             pred = predictor.predict([rec.user for _, rec in todo])
@@ -81,7 +81,8 @@ def collect_feedback(
     return {
         "requests": len(todo),
         "already_answered": len(records) - len(todo),
-        "feedback_file": str(writer.path),
+        "feedback": writer.store.uri,
+        "feedback_chunks": writer.chunks_written,
         "output_tokens": stats.output_tokens,
         "wall_s": round(stats.wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / max(stats.wall_s, 1e-9), 1),
