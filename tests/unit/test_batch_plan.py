@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from app.config import EngineConfig
-from foreserve.batch.job import engine_resources, plan_batches
+from foreserve.batch.job import plan_batches
+from foreserve.batch.workers import engine_resources
 
 
 def _rows(bounds: list[int]) -> list[dict]:

@@ -151,14 +151,14 @@ def test_the_predictor_is_pinned_once_for_the_job(home, monkeypatch: pytest.Monk
 
 
 def test_an_actor_no_node_takes_fails_the_job_naming_it(monkeypatch: pytest.MonkeyPatch):
-    import foreserve.batch.job as job
+    import foreserve.batch.workers as batch_workers
 
     states = {"engine actor 1 of 2": "ALIVE", "engine actor 2 of 2": "PENDING_CREATION"}
-    workers = [job.Worker(name, name, {"CPU": 1.0, "node_b": 0.01}) for name in states]
-    monkeypatch.setattr(job, "actor_state", lambda actor: states[actor])
+    workers = [batch_workers.Worker(name, name, {"CPU": 1.0, "node_b": 0.01}) for name in states]
+    monkeypatch.setattr(batch_workers, "actor_state", lambda actor: states[actor])
     clock = [100.0]
-    monkeypatch.setattr(job.time, "monotonic", lambda: clock[0])
-    deadline = job.StartDeadline(workers, timeout_s=60, started=100.0)
+    monkeypatch.setattr(batch_workers.time, "monotonic", lambda: clock[0])
+    deadline = batch_workers.StartDeadline(workers, timeout_s=60, started=100.0)
     clock[0] = 150.0
     deadline.check(workers)  # still within the deadline
     clock[0] = 161.0
