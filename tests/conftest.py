@@ -190,3 +190,18 @@ def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dic
             ray.shutdown()
             cluster.shutdown()
             mp.undo()
+            _forget_cluster(cluster.address)
+
+
+def _forget_cluster(address: str) -> None:
+    """Remove Ray's note of the latest cluster (``/tmp/ray/ray_current_cluster``) when it names this
+    one: ``ray.init()`` without an address would otherwise try to join the dead cluster, and every
+    later test that starts a Ray of its own would fail."""
+    from ray._common.utils import get_ray_address_file
+
+    note = Path(get_ray_address_file(None))
+    try:
+        if note.read_text().strip() == address:
+            note.unlink()
+    except OSError:
+        pass
