@@ -133,13 +133,6 @@ def read_input(source: str | Path, default_model: str) -> Iterator[InputRow]:
             yield _parse(line_no, text, seen, default_model)
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Replace local file ``path`` with ``data`` as JSON atomically (readers see the old or the new file)."""
-    tmp = path.with_suffix(path.suffix + ".partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
 def error_row(row: InputRow, code: str = "invalid_request") -> ResultRow:
     return ResultRow(id=f"batch_req_{row.line}", custom_id=row.custom_id, line=row.line,
                      error=BatchError(code=code, message=row.error or "failed"))
