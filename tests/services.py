@@ -17,6 +17,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from app.ports import free_port
 
 PG_VERSION = "15"
@@ -74,8 +76,9 @@ def s3_server(bucket: str = "foreserve") -> Iterator[str]:
     port of 127.0.0.1, ``bucket`` created; yields the store URI of that bucket with its endpoint.
     ``S3_ENV`` is set in this process while it runs; other processes and nodes need it too."""
     port = free_port()
-    saved = {k: os.environ.get(k) for k in S3_ENV}
-    os.environ.update(S3_ENV)
+    env = pytest.MonkeyPatch()
+    for key, value in S3_ENV.items():
+        env.setenv(key, value)
     log = tempfile.NamedTemporaryFile(prefix="foreserve-s3-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,11 +99,7 @@ def s3_server(bucket: str = "foreserve") -> Iterator[str]:
         pafs.FileSystem.from_uri(uri)[0].create_dir(bucket)
         yield uri
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.undo()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         os.unlink(log.name)
