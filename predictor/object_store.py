@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -69,45 +71,42 @@ class ObjectStore:
         return f"{self._fs()[1]}/{key}"
 
     # -- objects ------------------------------------------------------------------------------
+    @contextmanager
+    def _writer(self, key: str) -> Iterator:
+        """A stream that becomes object ``key`` whole when the block ends without an error. A local
+        store writes a temporary file beside it, makes it durable and renames it over it; S3 and GCS
+        make an upload visible whole on close."""
+        root = self.local_root
+        if root is None:
+            fs, _ = self._fs()
+            with fs.open_output_stream(self._path(key)) as out:
+                yield out
+            return
+        path = root / key.strip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+        try:
+            with open(tmp, "xb") as out:
+                yield out
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def put(self, key: str, data: bytes) -> None:
         """Write object ``key`` whole (replacing any older one at once)."""
-        root = self.local_root
-        if root is not None:  # a temporary file beside it, made durable, then renamed over it
-            path = root / key.strip("/")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            return
-        fs, _ = self._fs()
-        with fs.open_output_stream(self._path(key)) as out:  # S3 and GCS make it visible whole on close
+        with self._writer(key) as out:
             out.write(data)
 
     def put_file(self, key: str, source: Path, chunk_bytes: int = 8 << 20) -> str:
         """Write object ``key`` from file ``source``, streamed (a model's weights never sit in memory
         whole); returns the SHA-256 of what was written."""
         digest = hashlib.sha256()
-        root = self.local_root
-        fs, _ = self._fs()
-        target = root / key.strip("/") if root is not None else None
-        if target is not None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            path = str(target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial"))
-        else:
-            path = self._path(key)
-        with open(source, "rb") as f, fs.open_output_stream(path) as out:
+        with open(source, "rb") as f, self._writer(key) as out:
             while chunk := f.read(chunk_bytes):
                 digest.update(chunk)
                 out.write(chunk)
-        if target is not None:
-            os.replace(path, target)
         return digest.hexdigest()
 
     def get_file(self, key: str, target: Path, chunk_bytes: int = 8 << 20) -> str:
