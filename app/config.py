@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
 
     model: str = Field("", description="HF model folder; empty means the embedded SmolLM2-135M-Instruct.")
     served_model_name: str = Field("SmolLM2-135M-Instruct", description="Model id shown to clients.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype (and the KV cache's, with kv_cache_dtype auto).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights dtype (and the KV cache's, with kv_cache_dtype auto). auto: bfloat16 on a CUDA device or a CPU with native bfloat16 (AVX512-BF16, AVX-NE-CONVERT or AMX), float32 elsewhere. On a CPU, activations stay float32: bfloat16 weights halve the bytes a decode step streams (oneDNN's bfloat16 kernels where the CPU has them; foreserve's kernel for up to 16 rows elsewhere).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: the weights' dtype. bfloat16 under float32 weights halves the KV bytes per token (attention reads half as much, so large batches step faster on a CPU) for a little precision, like vLLM's kv_cache_dtype.")
     cpu_prepacked_linears: bool = Field(True, description="float32 on a CPU: multiply by oneDNN's prepacked (blocked) copies of the linear weights, as torch.compile's freezing and vLLM's CPU backend do: 1.2-1.9x faster decode steps and 2.3x faster prefill linears here, for one more copy of the linear weights in memory.")
     cpu_paged_attention: bool = Field(True, description="float32 weights on a CPU (float32 or bfloat16 KV): decode attention reads K/V straight from the paged pool (foreserve's C++ kernel, built on first use, ~25 s) instead of gathering each sequence's blocks and calling SDPA: 2-3x faster decode attention at long contexts here. Falls back to gather + SDPA where it cannot be built.")
@@ -82,9 +82,21 @@ class EngineConfig(BaseModel):
         return ray.is_initialized()
 
     @property
+    def weights_dtype(self) -> str:
+        """The weights' dtype, ``auto`` resolved (see ``dtype``)."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        from app.engine.model.cpu_linear import native_bf16
+
+        cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        return "bfloat16" if cuda or native_bf16() else "float32"
+
+    @property
     def cache_dtype(self) -> str:
         """The KV cache's dtype, ``auto`` resolved."""
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return self.weights_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def model_path(self) -> Path:

@@ -23,13 +23,19 @@ from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload
 from loadtests.summary import SLO
 
 
-def scheduler_config(source: Path, out: Path, scheduler: str, slo: SLO | None = None, fixed_replicas: bool = False) -> Path:
+def scheduler_config(source: Path, out: Path, scheduler: str | None, slo: SLO | None = None,
+                     fixed_replicas: bool = False, dtype: str | None = None) -> Path:
     """``source`` with the online pool's scheduler set and, with ``slo``, its TTFT/TPOT objectives (the
     scheduler aims at the SLOs the test measures); with ``fixed_replicas`` autoscaling is off and each
-    pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling)."""
+    pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling); with
+    ``dtype``, every pool's weights dtype."""
     data = yaml.safe_load(source.read_text())
     entry = data["applications"][0]
-    entry["args"]["pools"]["online"]["scheduler"] = scheduler
+    if scheduler:
+        entry["args"]["pools"]["online"]["scheduler"] = scheduler
+    if dtype:
+        for pool in entry["args"]["pools"].values():
+            pool["dtype"] = dtype
     if slo is not None:
         entry["args"]["pools"]["online"].update(ttft_slo_ms=slo.ttft_ms, tpot_slo_ms=slo.tpot_ms)
     if fixed_replicas:

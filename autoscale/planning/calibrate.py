@@ -97,7 +97,7 @@ def measure(batch_sizes: list[int], context: int, repeats: int) -> list[tuple[in
     tokens = max(batch_sizes) * (context + 2 * steps + 40)
     config = EngineConfig(kv_cache_tokens=tokens, max_model_len_tokens=max(2048, context + 64))
     hf = AutoConfig.from_pretrained(config.model_path)
-    runner = HFRunner(config, config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf, config.dtype)))
+    runner = HFRunner(config, config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf, config.cache_dtype)))
     return [(b, bench_runner(runner, b, context, steps, warmup=2) / 1000) for b in batch_sizes]
 
 

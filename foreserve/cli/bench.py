@@ -7,7 +7,9 @@ import json
 
 from foreserve.cli.common import write_json
 
-POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_static", "hf_continuous")
+POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_static", "hf_continuous",
+                  "llama_cpp_bf16", "llama_cpp_f32", "llama_cpp_q4_1")
+PEER_PREFIXES = ("hf_", "llama_cpp_")
 
 
 def _policies(text: str) -> list[str]:
@@ -22,8 +24,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from loadtests.bench.report import print_table
     from loadtests.bench.throughput import run_benchmark
 
-    if args.sim and any(p in ("hf_static", "hf_continuous") for p in args.policies):
-        raise SystemExit("error: the hf_* peers run the real model; drop them from --policies with --sim")
+    if args.sim and any(p.startswith(PEER_PREFIXES) for p in args.policies):
+        raise SystemExit("error: the hf_* and llama_cpp_* peers run the real model; drop them from --policies with --sim")
     report = run_benchmark(
         policies=args.policies,
         num_requests=args.requests,
@@ -36,6 +38,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         scheduler=args.scheduler,
         kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     print_table(report)
@@ -96,7 +99,8 @@ def add_parser(sub) -> None:
         "each policy (and peer) on the same requests and KV budget; prints a table and writes JSON.",
     )
     b.add_argument("--policies", type=_policies, default=_policies("reserve_max,paged,reserve_predicted,oracle"),
-                   help=f"comma-separated, from: {', '.join(POLICY_CHOICES)}")
+                   help=f"comma-separated, from: {', '.join(POLICY_CHOICES)} (llama_cpp_*: llama-server on the "
+                   "same requests and KV budget, the best of 4, 8 and 16 slots; `make llama-cpp` builds it)")
     b.add_argument("--requests", type=int, default=32, help="requests replayed (default 32)")
     b.add_argument("--kv-tokens", type=int, default=4096, help="KV pool size in tokens (ignored with --sim)")
     b.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of every request (default 1024)")
@@ -108,8 +112,10 @@ def add_parser(sub) -> None:
                    help="learned predictor: reserve up to this quantile of the predicted length distribution "
                    "(default: the engine's bound_quantile, 0.7)")
     b.add_argument("--sim", metavar="HARDWARE:MODEL", help="simulated runner, e.g. H100-80G:llama-3-70b")
+    b.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights dtype of the real model (auto: bfloat16 on a CPU with native bfloat16, else float32)")
     b.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="KV cache dtype of the real model (auto: the weights' float32)")
+                   help="KV cache dtype of the real model (auto: the weights')")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     b.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="per-step token budget (chunked prefill); default 512, or 8192 with --sim")

@@ -40,8 +40,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from loadtests.loadtest import run_load
 
     spec = _spec(args)
-    if args.host and (args.scheduler or args.config):
-        raise ValueError("--scheduler and --config set up the service loadtest starts; with --host the service is yours")
+    if args.host and (args.scheduler or args.config or args.dtype):
+        raise ValueError("--scheduler, --dtype and --config set up the service loadtest starts; with --host the service is yours")
     config = Path(args.config) if args.config else None
     if not args.host:
         config = _scheduler_config(args, config)
@@ -52,13 +52,14 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def _scheduler_config(args: argparse.Namespace, config: Path | None) -> Path | None:
-    if not getattr(args, "scheduler", None):
+    scheduler, dtype = getattr(args, "scheduler", None), getattr(args, "dtype", None)
+    if not scheduler and not dtype:
         return config
     from app.config import DEFAULT_CONFIG_PATH
     from loadtests.ab import scheduler_config
 
-    return scheduler_config(config or DEFAULT_CONFIG_PATH, Path(args.report) / "serve_config.yaml", args.scheduler,
-                            _spec(args).slos["online"])
+    return scheduler_config(config or DEFAULT_CONFIG_PATH, Path(args.report) / "serve_config.yaml", scheduler,
+                            _spec(args).slos["online"] if scheduler else None, dtype=dtype)
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
@@ -128,6 +129,8 @@ def add_parser(sub) -> None:
                    "(closed), start-end ramps, e.g. ramp:30:0.1-0.5,steady:60:0.5,burst:10:2")
     p.add_argument("--host", help="URL of a running service (default: start one); its API key, if any, from "
                    "$FORESERVE_API_KEY")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                   help="weights dtype of every pool of the service it starts (default: the config's)")
     p.add_argument("--scheduler", choices=("online", "fcfs"),
                    help="online pool's scheduler for the service it starts (its SLOs then become the test's)")
     p.add_argument("--report", default="reports/loadtest", help="report directory (default reports/loadtest)")

@@ -3,7 +3,7 @@
 All policies run side by side in one process on the same requests and the same KV budget, each
 request forced to its true output length (EOS at that length and never before, the standard
 convention: ``ReplayRunner``), with the real model (or the simulated runner with
-``--sim HARDWARE:MODEL``), plus the transformers peers.
+``--sim HARDWARE:MODEL``), plus the transformers and llama.cpp peers.
 Only useful tokens count. Output: the benchmark JSON contract of DESIGN.md.
 """
 
@@ -25,7 +25,9 @@ from app.engine.sim.replay import ReplayRunner
 from predictor.base import LengthPredictor, MaxPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
 
-PEERS = ("hf_static", "hf_continuous")
+HF_PEERS = ("hf_static", "hf_continuous")
+LLAMA_CPP_PEERS = ("llama_cpp_bf16", "llama_cpp_f32", "llama_cpp_q4_1")  # loadtests/bench/llama_cpp.py
+PEERS = HF_PEERS + LLAMA_CPP_PEERS
 DEFAULT_SCHEDULER = {"reserve_max": "fcfs", "paged": "fcfs", "reserve_predicted": "offline", "oracle": "offline"}
 
 
@@ -182,6 +184,12 @@ def ratios(results: list[dict]) -> dict:
     return out
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def run_benchmark(
     policies: list[str],
     num_requests: int,
@@ -196,9 +204,11 @@ def run_benchmark(
     block_size_tokens: int = 16,
     max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
 ) -> dict:
     base = EngineConfig(
         kv_cache_tokens=kv_tokens,
+        dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         block_size_tokens=block_size_tokens,
         default_max_tokens=max_tokens,
@@ -232,9 +242,15 @@ def run_benchmark(
                 rows[row_name].append(run_policy(config, runner, num_blocks, requests, row_pred, label=f"{rep}-", name=row_name))
                 tqdm.write(f"[{rep + 1}/{repeats}] {row_name}: {rows[row_name][-1]['output_tokens_per_s']} tok/s")
             for peer in (p for p in policies if p in PEERS):
-                from loadtests.bench.hf_peers import run_peer
+                kv = num_blocks * block_size_tokens
+                if peer in LLAMA_CPP_PEERS:
+                    from loadtests.bench.llama_cpp import run_llama_cpp
 
-                rows[peer].append(run_peer(peer, runner, requests, num_blocks * block_size_tokens, max_tokens))
+                    rows[peer].append(run_llama_cpp(peer, requests, kv, max_tokens, base.torch_threads or torch_threads()))
+                else:
+                    from loadtests.bench.hf_peers import run_peer
+
+                    rows[peer].append(run_peer(peer, runner, requests, kv, max_tokens))
                 tqdm.write(f"[{rep + 1}/{repeats}] {peer}: {rows[peer][-1]['output_tokens_per_s']} tok/s")
     finally:
         runner.shutdown()
@@ -249,6 +265,7 @@ def run_benchmark(
             "bound_quantile": getattr(pred, "bound_quantile", None),
             "sim": sim,
             "tp": tp,
+            "dtype": base.weights_dtype,
             "kv_cache_dtype": base.cache_dtype,
             "repeats": repeats,
             "block_size_tokens": block_size_tokens,

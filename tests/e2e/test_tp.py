@@ -78,6 +78,31 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly():
     assert not any(os.path.exists(shm_path("127.0.0.1", tp2.master_port, r)) for r in range(2))
 
 
+def test_tp2_bfloat16_matches_tp1_bfloat16():
+    """dtype bfloat16 under TP=2: DeepSpeed's sharded layers run their own forward in bfloat16 (their
+    all-reduce inside), where TP=1 widens the bfloat16 weights and sums in float32; the greedy answers
+    agree for their first 12 tokens (bfloat16 sums break near-ties late in an answer)."""
+    import torch
+
+    from app.engine.model.hf_runner import HFRunner
+    from app.engine.parallel.tp import TPRunner
+
+    threads = torch.get_num_threads()
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="bfloat16")
+    num_blocks = config.kv_pool_blocks(1)
+    tp1 = HFRunner(config, num_blocks)
+    prompts = _prompts(tp1.tokenizer)
+    expected = play_engine(tp1, _seqs(prompts))
+    del tp1
+    torch.set_num_threads(threads)
+    tp2 = TPRunner(config.model_copy(update={"tensor_parallel_size": 2}), num_blocks)
+    try:
+        got = play_engine(tp2, _seqs(prompts))
+    finally:
+        tp2.shutdown()
+    assert {k: v[:12] for k, v in got.items()} == {k: v[:12] for k, v in expected.items()}
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.ray
 def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path):

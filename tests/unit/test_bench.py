@@ -13,7 +13,7 @@ import pytest
     [
         (["bench", "throughput", "--policies", "reserve_everything"], "unknown policy"),
         (["bench", "throughput", "--requests", "0"], "--requests must be >= 1"),
-        (["bench", "throughput", "--sim", "H100-80G:llama-3-70b", "--policies", "hf_static"], "hf_* peers"),
+        (["bench", "throughput", "--sim", "H100-80G:llama-3-70b", "--policies", "hf_static"], "hf_* and llama_cpp_* peers"),
         (["bench", "throughput", "--sim", "TPU:llama-3-70b", "--tp", "2", "--policies", "paged"], "TPU"),
     ],
 )

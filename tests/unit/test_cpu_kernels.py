@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.engine.model.cpu_kernels import cpu_tag, paged_decode_op
+from app.engine.model.cpu_kernels import bf16_linear_op, cpu_tag, paged_decode_op
 
 BLOCK = 16
 
@@ -37,10 +37,21 @@ def reference(q, k_pool, v_pool, tables, lens, scale):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, kv_dtype):
+# NOTE: with 2 threads, 7 rows run a task each; 1 and 2 rows are cut into token ranges (up to 4 per
+# row), one of them empty for the row of 1 token, and merged.
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 200, 7], [333], [1, 400], [130, 64]])
+def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, kv_dtype, lens):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_paged_decode(op, heads, kv_heads, kv_dtype, torch.tensor(lens))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     num_blocks, dim = 64, 32
-    lens = torch.tensor([1, 15, 16, 17, 100, 200, 7])
     max_blocks = -(-int(lens.max()) // BLOCK)
     k_pool = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
     v_pool = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
@@ -92,3 +103,63 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
     stale.touch()
     assert cpu_kernels._build() is not None  # would spin on the stale lock before
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 1536, 576), (3, 7, 9), (16, 96, 13), (33, 64, 40)])
+def test_bf16_linear_equals_float64_product(op, m, k, n):
+    """x [m, k] float32 times bfloat16 w [n, k]: the product of the exact values, to float32's
+    rounding, for sizes off the kernel's tiles (4 outputs, 2 rows, 8 elements)."""
+    lin = bf16_linear_op()
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(lin(x, w, None).double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lin(x, w, b).double(), want + b.double(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="float32 x and bfloat16 w"):
+        lin(x, w.float(), None)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_equals_torch_rope_and_index_copy(op, kv_dtype):
+    """RoPE on the fused projection's q and k, and the K/V store at each token's slot: the same
+    values as the runner's torch ops (rotate-half, cast, index_copy_), bit for bit."""
+    from app.engine.model.cpu_kernels import rope_store_op
+    from app.engine.model.hf_runner import _rope
+
+    rope_store = rope_store_op()
+    g = torch.Generator().manual_seed(7)
+    T, heads, kv_heads, dim = 5, 9, 3, 64
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.randn(T, dim // 2, generator=g)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([3, 17, 18, 40, 0])
+    k_pool = torch.zeros(4, BLOCK, kv_heads, dim, dtype=kv_dtype)
+    v_pool = torch.zeros_like(k_pool)
+    qk = rope_store(qkv, cos, sin, slots, k_pool, v_pool, heads, kv_heads)
+    nq = heads + kv_heads
+    want = _rope(qkv[:, : nq * dim].view(T, nq, dim), cos[:, None], sin[:, None])
+    assert torch.equal(qk, want)
+    k_want, v_want = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    k_want.view(-1, kv_heads, dim).index_copy_(0, slots, want[:, heads:].to(kv_dtype))
+    v_want.view(-1, kv_heads, dim).index_copy_(0, slots, qkv[:, nq * dim:].view(T, kv_heads, dim).to(kv_dtype))
+    assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        rope_store(qkv, cos, sin, torch.tensor([0, 1, 2, 3, 64]), k_pool, v_pool, heads, kv_heads)
+
+
+def test_add_rms_norm_adds_in_place_and_normalizes(op):
+    """h += delta in place, then the RMSNorm of HF's Llama (float32): torch's values to rounding."""
+    from app.engine.model.cpu_kernels import add_rms_norm_op
+
+    add_rms_norm = add_rms_norm_op()
+    g = torch.Generator().manual_seed(3)
+    h, delta, w = torch.randn(4, 576, generator=g), torch.randn(4, 576, generator=g), torch.randn(576, generator=g)
+    want_h = h + delta
+    want = w * (want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(h, want_h)  # updated in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(add_rms_norm(h, None, w, 1e-5), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(h, want_h)  # no delta: h unchanged

@@ -56,7 +56,10 @@ def test_prepack_leaves_what_it_cannot_pack():
         pass
 
     assert prepack(Scaled(8, 4)) is None
-    assert prepack(torch.nn.Linear(8, 4).to(torch.bfloat16)) is None
+    from app.engine.model.cpu_linear import native_bf16
+
+    if not native_bf16():  # bfloat16 weights are prepacked only where oneDNN has bfloat16 kernels
+        assert prepack(torch.nn.Linear(8, 4).to(torch.bfloat16)) is None
     assert prepack(torch.nn.LayerNorm(8)) is None
 
 
@@ -91,3 +94,37 @@ def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
 
     with pytest.raises(ValueError, match="no model here"):
         on_short_lived_thread(broken)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64])  # either side of BF16W_ROWS
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
+    """bfloat16 weights, float32 rows: the kernel (few rows) and oneDNN's float32 copy (more rows)
+    both give the float32 product with the bfloat16-rounded weights."""
+    from app.engine.model.cpu_kernels import bf16_linear_op
+    from app.engine.model.cpu_linear import fast_linear, linear
+
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(100, 36, bias=bias).to(torch.bfloat16)  # 100: not a multiple of 8
+    x = torch.randn(rows, 100)
+    want = torch.nn.functional.linear(x.double(), module.weight.double(),
+                                      None if module.bias is None else module.bias.double())
+    fast = fast_linear(module, bf16_linear_op())
+    assert fast is not None
+    torch.testing.assert_close(linear(module, x, fast).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(module, x).double(), want, rtol=2e-2, atol=5e-2)  # plain: bf16 math
+
+
+def test_fuse_rows_stacks_outputs_and_leaves_views():
+    from app.engine.model.cpu_linear import fuse_rows
+
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(16, n, bias=True) for n in (8, 4, 4)]
+    x = torch.randn(5, 16)
+    want = torch.cat([p(x) for p in parts], dim=1)
+    fused = fuse_rows(parts)
+    torch.testing.assert_close(fused(x), want)
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=1), want)  # the parts still work
+    assert parts[1].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    assert fuse_rows([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)]) is None  # input sizes differ
+    assert fuse_rows([torch.nn.Linear(16, 4), torch.nn.Linear(16, 4, bias=False)]) is None

@@ -1,11 +1,14 @@
-"""foreserve's own CPU kernel: decode attention straight from the paged KV pool (``csrc/paged_decode.cpp``).
+"""foreserve's own CPU kernels: decode attention straight from the paged KV pool
+(``csrc/paged_decode.cpp``), a linear layer with bfloat16 weights for few rows (``csrc/bf16_linear.cpp``)
+RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``) and the residual add with
+the RMSNorm after it (``csrc/rms_norm.cpp``).
 
-Built on first use with torch's C++ extension loader (g++ and ninja, ~25 s here), once per machine
+One extension, built on first use with torch's C++ extension loader (g++ and ninja, ~25 s here), once per machine
 and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under ``foreserve-<cpu>`` (``-march=native``, so a build is never shared between CPUs with
 different instruction sets), outside any one ``FORESERVE_HOME``, and later processes load it in
-well under a second. Where it cannot be built (no compiler, another OS), ``paged_decode_op()`` is None,
-one warning says why, and the runner keeps its gather + SDPA path.
+well under a second. Where it cannot be built (no compiler, another OS), ``paged_decode_op()`` and
+the other ops are None, one warning says why, and the runner keeps torch's paths.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("module.cpp", "paged_decode.cpp", "bf16_linear.cpp", "rope_store.cpp", "rms_norm.cpp")]
 # NOTE: -ffast-math lets GCC vectorize the softmax's exp (glibc's libmvec); finite math stays off, so
 # the -inf/FLT_MAX logic keeps its meaning. No -fopenmp at link time: at::parallel_for resolves to
 # torch's own libgomp, the one OpenMP runtime (and thread team) of the process.
@@ -32,6 +36,7 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+LinearBF16W = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def cpu_tag() -> str:
@@ -58,16 +63,43 @@ def build_directory() -> Path:
 def paged_decode_op() -> PagedDecode | None:
     """``paged_decode(q [n, H, D], k_pool, v_pool [blocks, block, KVH, D], tables [n, max_blocks],
     lens [n], scale) -> [n, H, D]`` on the CPU: float32 queries and output, float32 or bfloat16 K/V;
-    None where the kernel cannot be built."""
+    None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.paged_decode
+
+
+def bf16_linear_op() -> LinearBF16W | None:
+    """``linear_bf16w(x [m, k] float32, w [n, k] bfloat16, bias [n] | None) -> [m, n] float32`` on
+    the CPU, products and sums in float32; None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.linear_bf16w
+
+
+def rope_store_op() -> Callable | None:
+    """``rope_store(qkv, cos, sin, slots, k_pool, v_pool, heads, kv_heads) -> qk [T, H + KVH, D]``
+    (``csrc/rope_store.cpp``): RoPE on the fused projection's q and k, k and v stored into one layer
+    of the pool; None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.rope_store
+
+
+def add_rms_norm_op() -> Callable | None:
+    """``add_rms_norm(h, delta | None, weight, eps) -> x`` (``csrc/rms_norm.cpp``): ``h += delta`` in
+    place, then ``weight * h / sqrt(mean(h^2) + eps)``, float32; None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.add_rms_norm
+
+
+def _module():
     with _lock:
-        if "op" not in _loaded:
-            _loaded["op"] = _build()
-        return _loaded["op"]  # type: ignore[return-value]
+        if "module" not in _loaded:
+            _loaded["module"] = _build()
+        return _loaded["module"]
 
 
-def _build() -> PagedDecode | None:
+def _build():
     if platform.system() != "Linux":
-        log.warning("paged decode kernel: built on Linux only; using gather + SDPA")
+        log.warning("CPU kernels: built on Linux only; using torch's paths")
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -80,9 +112,8 @@ def _build() -> PagedDecode | None:
         with open(build_dir / "foreserve.lock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            module = load(name="foreserve_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                          build_directory=str(build_dir), verbose=False)
+            return load(name="foreserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                        build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - a missing compiler or a failed build only costs speed
-        log.warning("paged decode kernel could not be built (%s: %s); using gather + SDPA", type(e).__name__, e)
+        log.warning("CPU kernels could not be built (%s: %s); using torch's paths", type(e).__name__, e)
         return None
-    return module.paged_decode

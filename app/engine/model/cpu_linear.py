@@ -1,9 +1,14 @@
-"""The runner's linear layers on a CPU: oneDNN's prepacked weights, or the skinny-operand MKL path.
+"""The runner's linear layers on a CPU: oneDNN's prepacked weights, bfloat16 weights for few rows,
+or the skinny-operand MKL path.
 
-See the README's "Prepacked linears on the CPU" for the measurements behind both.
+Activations stay float32 on a CPU whatever the weights' dtype. ``fast_linear`` picks, per module,
+the fastest way to apply it; see docs/engine.md ("Linear layers on the CPU") for the measurements.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,39 +17,143 @@ import torch.nn.functional as F
 # operand far better that way round than as x @ W^T. Whole decode steps of SmolLM2-135M, measured
 # here: 1.8x faster at batch 2-4, 1.15x at 8-32, even at 128; prefill chunks of 256+ rows lose.
 SKINNY_ROWS = 128
+# Up to this many rows, bfloat16 weights on a CPU without native bfloat16 go through foreserve's
+# kernel (``csrc/bf16_linear.cpp``: half the weight bytes of float32). All linears of SmolLM2-135M,
+# 2 threads, AVX2, against oneDNN's prepacked float32: 2.4x faster at 1 row, 1.5x at 8, 1.1x at 16,
+# level at 32, 0.8x at 64.
+BF16W_ROWS = 16
+
+FastLinear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions oneDNN's bfloat16 kernels use (AVX512-BF16,
+    AVX-NE-CONVERT or AMX; torch asks oneDNN)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's prepacked (blocked) copy of ``weight``, or None where oneDNN is missing or its
+    product disagrees with ``F.linear`` (checked once, on a random input)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            ok = torch.allclose(got.float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol)
+    except (AttributeError, RuntimeError):
+        return None
+    return packed if ok else None
+
+
+def _plain_cpu_linear(module: torch.nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return type(module) is torch.nn.Linear and w is not None and w.device.type == "cpu"
 
 
 def prepack(module: torch.nn.Module) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a plain float32 CPU ``nn.Linear``'s weight, or None where oneDNN is
-    missing or its product disagrees with ``F.linear`` (checked once, on a random input).
+    """oneDNN's prepacked copy of a plain CPU ``nn.Linear``'s weight: float32, or bfloat16 on a CPU
+    with native bfloat16 (``native_bf16``); None otherwise.
 
     NOTE: the blocked layout streams the weights at full memory bandwidth for any row count; MKL's
     sgemm on the plain layout does so only for 2-4 rows. All linears of SmolLM2-135M, 30 layers,
     measured here against the previous path (ms): 1 row 8.6 vs 24.5, 8 rows 11.8 vs 26.3, 12 rows 13.3 vs 43.3, 64 rows 37 vs
     87, 512 rows 215 vs 494. These ops (``torch.ops.mkldnn``) are what torch.compile's freezing pass
     emits for the same linears; torch is pinned, and a failure falls back to the plain path."""
+    if not _plain_cpu_linear(module):
+        return None
+    w = module.weight
+    if w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and native_bf16()):
+        return _pack(w, module.bias)
+    return None
+
+
+def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None) -> FastLinear | None:
+    """The fastest way to apply a plain CPU ``nn.Linear`` to float32 rows, as a function of them; None
+    where there is none better than ``linear``'s plain path (e.g. a TP layer, or oneDNN missing).
+
+    - float32 weights: oneDNN's prepacked copy.
+    - bfloat16 weights, native bfloat16: oneDNN's bfloat16 prepacked copy (rows cast to bfloat16,
+      the result back to float32).
+    - bfloat16 weights elsewhere (AVX2): up to ``BF16W_ROWS`` rows, ``bf16_op`` (foreserve's
+      kernel: the bfloat16 weights widened in registers, float32 products and sums); more rows,
+      oneDNN's float32 prepacked copy of the same bfloat16-rounded values, so the answer does not
+      depend on which path a step took beyond float32's summation order. One more copy of the
+      linear weights in memory (1.5x of float32 weights alone)."""
+    if not _plain_cpu_linear(module):
+        return None
+    w, bias = module.weight, module.bias
+    bias32 = None if bias is None else bias.detach().float()
+    if w.dtype == torch.float32:
+        packed = _pack(w, bias)
+        return None if packed is None else (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+    if w.dtype != torch.bfloat16:
+        return None
+    if native_bf16():
+        packed = _pack(w, bias)
+        if packed is not None:
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [], "").float()
+    if bf16_op is None:
+        return None
+    w32 = w.detach().float()
+    packed32 = _pack(w32, bias32)
+    if packed32 is None:
+        return lambda x: bf16_op(x, w, bias32) if x.shape[0] <= BF16W_ROWS else F.linear(x, w32, bias32)
+    return lambda x: (bf16_op(x, w, bias32) if x.shape[0] <= BF16W_ROWS
+                      else torch.ops.mkldnn._linear_pointwise(x, packed32, bias32, "none", [], ""))
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor, fast: FastLinear | torch.Tensor | None = None) -> torch.Tensor:
+    """``module(x)`` for a 2-D ``x``, in ``x``'s dtype: through ``fast`` (``fast_linear``'s, or a
+    float32 prepacked weight) when there is one; else a plain float32 ``nn.Linear`` on CPU with few
+    rows goes the fast way round; else the module's own forward, ``x`` cast to its weights' dtype."""
+    if isinstance(fast, torch.Tensor):
+        return torch.ops.mkldnn._linear_pointwise(x, fast, module.bias, "none", [], "")
+    if fast is not None:
+        return fast(x)
     w = getattr(module, "weight", None)
-    if type(module) is not torch.nn.Linear or w.device.type != "cpu" or w.dtype != torch.float32 \
-            or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-            x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
-            ok = torch.allclose(got, F.linear(x, w, module.bias), rtol=1e-4, atol=1e-4)
-    except (AttributeError, RuntimeError):
-        return None
-    return packed if ok else None
-
-
-def linear(module: torch.nn.Module, x: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``module(x)`` for a 2-D ``x``: through the prepacked weight when there is one (see ``prepack``);
-    else a plain float32 ``nn.Linear`` on CPU with few rows goes the fast way round."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     if type(module) is torch.nn.Linear and x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu" \
-            and x.dtype == torch.float32:
-        y = torch.mm(module.weight, x.t()).t()
+            and x.dtype == torch.float32 and w.dtype == torch.float32:
+        y = torch.mm(w, x.t()).t()
         return (y + module.bias if module.bias is not None else y).contiguous()
+    if w is not None and w.dtype != x.dtype:
+        return module(x.to(w.dtype)).to(x.dtype)
     return module(x)
+
+
+def fuse_rows(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
+    """One ``nn.Linear`` whose output rows are ``modules``' outputs side by side (q, k, v; gate, up),
+    so a step makes one call where it made several; None unless all are plain CPU ``nn.Linear``s
+    of one input size and dtype, all with or all without a bias.
+
+    NOTE: no second copy: the modules' weights become views of the fused weight. One call instead
+    of three (q, k, v) and two (gate, up) per layer saved ~2 ms of a 26 ms batch-1 decode step of
+    SmolLM2-135M here (30 layers), most of it in the small k and v projections' fixed costs."""
+    if not modules or not all(_plain_cpu_linear(m) for m in modules):
+        return None
+    ws = [m.weight for m in modules]
+    has_bias = [m.bias is not None for m in modules]
+    if len({(w.shape[1], w.dtype) for w in ws}) != 1 or len(set(has_bias)) != 1:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in ws])
+        bias = torch.cat([m.bias.detach() for m in modules]) if has_bias[0] else None
+    with torch.device("meta"):
+        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    fused.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return fused

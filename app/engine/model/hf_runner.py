@@ -5,8 +5,9 @@ rotary embedding). All tokens of a step are packed into one ``[T, hidden]`` tens
 layers; attention reads and writes the preallocated pool
 ``k_cache/v_cache: [num_layers, num_blocks, block_size, local_kv_heads, head_dim]``. Decode rows
 attend through foreserve's C++ kernel, which reads each sequence's blocks in place
-(``cpu_kernels.py``; float32 weights on a CPU, float32 or bfloat16 KV), or else by gathering the
-blocks and calling SDPA.
+(``cpu_kernels.py``; float32 or bfloat16 KV), or else by gathering the blocks and calling SDPA.
+On a CPU the activations are float32 whatever the weights' dtype: bfloat16 weights halve the bytes a
+step streams (``cpu_linear.fast_linear``), and norms, softmax and sums keep float32's precision.
 Head counts are read from the projection weights, so the same forward runs on DeepSpeed AutoTP
 shards (see ``app/engine/parallel/tp.py``), whose row-parallel layers all-reduce inside their forward.
 """
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from app.config import EngineConfig
-from app.engine.model.cpu_linear import linear, prepack
+from app.engine.model.cpu_linear import fast_linear, fuse_rows, linear, native_bf16
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
@@ -134,7 +135,7 @@ class HFRunner(Runner):
         # Ray sets to an actor's CPU count (1 for fractional CPUs): 35% fewer tokens/s, measured
         self.threads = torch.get_num_threads()
         self.config = config
-        self.dtype = torch_dtype(config.dtype)
+        self.dtype = torch_dtype(config.weights_dtype)
         self.block_size = config.block_size_tokens
         self.num_blocks = num_blocks
         if model is None:
@@ -143,6 +144,13 @@ class HFRunner(Runner):
         else:  # an already placed (e.g. sharded) model
             self.device = next(model.parameters()).device
         self.model = model.eval().requires_grad_(False)
+        # NOTE: float32 activations on a CPU (bfloat16 weights are widened as they are read); the
+        # weights' dtype elsewhere
+        self.act_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else self.dtype
+        if self.act_dtype != self.dtype:
+            for module in self.model.modules():  # norms: a few KB, read every layer in float32
+                if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                    module.to(self.act_dtype)
         self.tokenizer = load_tokenizer(config.model_path) if with_tokenizer else None
         eos = self.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -159,15 +167,29 @@ class HFRunner(Runner):
         # (DeepSpeed's modules, which all-reduce inside) run their own forward.
         self.plain_mlp = all(_is_plain_gated_mlp(layer.mlp) for layer in self.layers)
         self.plain_lm_head = type(self.lm_head) is torch.nn.Linear
-        # NOTE: a dict by module; a module missing from it (not packed) runs the plain path
-        self.packed: dict[torch.nn.Module, torch.Tensor] = {}
+        # NOTE: a dict by module of ``fast_linear``'s functions; a module missing from it runs the plain path
+        self.packed: dict[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {}
+        # per layer: q, k, v fused into one linear, and gate, up (``fuse_rows``); None where unfused
+        self.fused_qkv: list[torch.nn.Linear | None] = [None] * len(self.layers)
+        self.fused_gate_up: list[torch.nn.Linear | None] = [None] * len(self.layers)
         if config.cpu_prepacked_linears:
-            attn_parts = ("q_proj", "k_proj", "v_proj", "o_proj")
-            mlp_parts = ("gate_proj", "up_proj", "down_proj")
-            modules = [getattr(layer.self_attn, n) for layer in self.layers for n in attn_parts]
-            modules += [getattr(layer.mlp, n) for layer in self.layers for n in mlp_parts if hasattr(layer.mlp, n)]
+            modules = []
+            for i, layer in enumerate(self.layers):
+                a, mlp = layer.self_attn, layer.mlp
+                self.fused_qkv[i] = fuse_rows([a.q_proj, a.k_proj, a.v_proj])
+                modules += [self.fused_qkv[i]] if self.fused_qkv[i] else [a.q_proj, a.k_proj, a.v_proj]
+                modules.append(a.o_proj)
+                if self.plain_mlp:
+                    self.fused_gate_up[i] = fuse_rows([mlp.gate_proj, mlp.up_proj])
+                    modules += [self.fused_gate_up[i]] if self.fused_gate_up[i] else [mlp.gate_proj, mlp.up_proj]
+                    modules.append(mlp.down_proj)
             modules.append(self.lm_head)
-            self.packed = {m: w for m in modules if (w := prepack(m)) is not None}
+            bf16_op = None
+            if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not native_bf16():
+                from app.engine.model.cpu_kernels import bf16_linear_op
+
+                bf16_op = bf16_linear_op()
+            self.packed = {m: f for m in modules if (f := fast_linear(m, bf16_op)) is not None}
         attn = self.layers[0].self_attn
         hf = self.model.config
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -187,11 +209,15 @@ class HFRunner(Runner):
         self._kbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self._vbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self.paged_decode = None
-        if config.cpu_paged_attention and self.device.type == "cpu" and self.dtype == torch.float32 \
+        self.rope_store = None  # RoPE + the K/V store in one C++ op, for fused q, k, v
+        self.add_rms_norm = None  # the residual add + RMSNorm in one C++ op
+        if config.cpu_paged_attention and self.device.type == "cpu" and self.act_dtype == torch.float32 \
                 and self.kv_dtype in (torch.float32, torch.bfloat16):
-            from app.engine.model.cpu_kernels import paged_decode_op
+            from app.engine.model.cpu_kernels import add_rms_norm_op, paged_decode_op, rope_store_op
 
             self.paged_decode = paged_decode_op()
+            self.rope_store = rope_store_op() if any(self.fused_qkv) else None
+            self.add_rms_norm = add_rms_norm_op()
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -276,7 +302,7 @@ class HFRunner(Runner):
             row += n
         return _Step(
             input_ids=torch.tensor(ids), slots=torch.tensor(slots),
-            cos=cos[0][:, None, :].to(self.dtype), sin=sin[0][:, None, :].to(self.dtype),
+            cos=cos[0][:, None, :].to(self.act_dtype), sin=sin[0][:, None, :].to(self.act_dtype),
             num_decode=len(decodes), decode=groups, decode_tables=tables, decode_lens=lens,
             prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
         )
@@ -284,24 +310,41 @@ class HFRunner(Runner):
     def _forward(self, step: _Step) -> torch.Tensor:
         """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""
         T = step.input_ids.shape[0]
-        h = self.embed(step.input_ids)  # [T, hidden]
+        h = self.embed(step.input_ids).to(self.act_dtype)  # [T, hidden]
         last = len(self.layers) - 1
         pk = self.packed.get
+        delta = None  # a sublayer's output, added to h where the next norm reads it
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = linear(attn.q_proj, x, pk(attn.q_proj)).view(T, self.num_heads, self.head_dim)
-            k = linear(attn.k_proj, x, pk(attn.k_proj)).view(T, self.num_kv_heads, self.head_dim)
-            v = linear(attn.v_proj, x, pk(attn.v_proj)).view(T, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:  # Qwen3-style per-head norms before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = _rope(q, step.cos, step.sin)
-            k = _rope(k, step.cos, step.sin)
+            h, x = self._add_norm(layer.input_layernorm, h, delta)
             kc = self.k_cache[i]
             vc = self.v_cache[i]
-            flat = (-1, self.num_kv_heads, self.head_dim)
-            kc.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
-            vc.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
+            stored = False
+            qkv = self.fused_qkv[i]
+            if qkv is not None and not self.qk_norm:
+                # q and k rotated in one go: heads [0, H + KVH) of the fused output
+                out = linear(qkv, x, pk(qkv))
+                nq = self.num_heads + self.num_kv_heads
+                v = out[:, nq * self.head_dim:].view(T, self.num_kv_heads, self.head_dim)
+                if self.rope_store is not None and out.dtype == torch.float32:
+                    qk = self.rope_store(out, step.cos.view(T, -1), step.sin.view(T, -1), step.slots, kc, vc,
+                                         self.num_heads, self.num_kv_heads)
+                    stored = True
+                else:
+                    qk = _rope(out[:, : nq * self.head_dim].view(T, nq, self.head_dim), step.cos, step.sin)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+            else:
+                q = linear(attn.q_proj, x, pk(attn.q_proj)).view(T, self.num_heads, self.head_dim)
+                k = linear(attn.k_proj, x, pk(attn.k_proj)).view(T, self.num_kv_heads, self.head_dim)
+                v = linear(attn.v_proj, x, pk(attn.v_proj)).view(T, self.num_kv_heads, self.head_dim)
+                if self.qk_norm:  # Qwen3-style per-head norms before RoPE
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q = _rope(q, step.cos, step.sin)
+                k = _rope(k, step.cos, step.sin)
+            if not stored:
+                flat = (-1, self.num_kv_heads, self.head_dim)
+                kc.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
+                vc.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
             o = self._attention(q, k, v, kc, vc, step)
             if i == last:
                 # NOTE: only the sampled rows feed the logits; skip the rest of the last layer for them.
@@ -309,20 +352,38 @@ class HFRunner(Runner):
                     return h.new_empty(0, self.vocab_size)
                 o = o.index_select(0, step.sample_rows)
                 h = h.index_select(0, step.sample_rows)
-            h = h + linear(attn.o_proj, o, pk(attn.o_proj))
-            x = layer.post_attention_layernorm(h)
+            h, x = self._add_norm(layer.post_attention_layernorm, h, linear(attn.o_proj, o, pk(attn.o_proj)))
             if self.plain_mlp:
                 mlp = layer.mlp
-                gate = linear(mlp.gate_proj, x, pk(mlp.gate_proj))
-                up = linear(mlp.up_proj, x, pk(mlp.up_proj))
-                h = h + linear(mlp.down_proj, mlp.act_fn(gate) * up, pk(mlp.down_proj))
+                if (gu := self.fused_gate_up[i]) is not None:
+                    gate, up = linear(gu, x, pk(gu)).chunk(2, dim=1)
+                else:
+                    gate = linear(mlp.gate_proj, x, pk(mlp.gate_proj))
+                    up = linear(mlp.up_proj, x, pk(mlp.up_proj))
+                delta = linear(mlp.down_proj, mlp.act_fn(gate) * up, pk(mlp.down_proj))
             else:
-                h = h + layer.mlp(x)
-        h = self.norm(h)
+                delta = layer.mlp(x.to(self.dtype)).to(self.act_dtype)
+        _, h = self._add_norm(self.norm, h, delta)
         if self.plain_lm_head:
             return linear(self.lm_head, h, self.packed.get(self.lm_head))
         # NOTE: [1, S, hidden]: DeepSpeed's sharded LM head slices its input as a 3-D tensor.
-        return self.lm_head(h[None])[0]
+        return self.lm_head(h[None].to(self.dtype))[0].to(self.act_dtype)
+
+    def _add_norm(self, norm: torch.nn.Module, h: torch.Tensor,
+                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + delta, norm(h + delta))`` (``delta`` None: nothing added). A float32 RMSNorm on a CPU
+        is one C++ op that adds in place (``csrc/rms_norm.cpp``; ~35 us a call less than torch's
+        chain of small ops at one row), or torch's ``rms_norm``; any other norm runs its forward."""
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        w = getattr(norm, "weight", None)
+        if eps is None or w is None or h.dtype != torch.float32 or w.dtype != torch.float32 \
+                or "RMSNorm" not in type(norm).__name__:
+            h = h if delta is None else h + delta
+            return h, norm(h)
+        if self.add_rms_norm is not None and h.is_contiguous() and (delta is None or delta.is_contiguous()):
+            return h, self.add_rms_norm(h, delta, w, eps)
+        h = h if delta is None else h + delta
+        return h, F.rms_norm(h, w.shape, w, eps)
 
     def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""

@@ -97,7 +97,7 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
 
     from app.engine.model.hf_runner import HFRunner, torch_dtype
 
-    dtype = torch_dtype(config.dtype)
+    dtype = torch_dtype(config.weights_dtype)
     deepspeed.init_distributed(dist_backend=dist_backend(config.device), auto_mpi_discovery=False, verbose=False)
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
     engine = deepspeed.init_inference(

@@ -6,7 +6,7 @@
 // passes over the K/V bytes (read, write, read) and an SDPA kernel built for long queries, where a
 // decode row has one. Here each sequence's blocks are read once, a token's row of all KV heads at a
 // time (the pool's [block, token, kv_head, dim] layout), into scores for every query head; then a
-// softmax and one more pass over V. One sequence per task.
+// softmax and one more pass over V.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,55 +15,94 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
+// 8 K/V elements widened to float32 (a bfloat16 is the top half of a float32).
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// q . k over dim elements
 template <typename KV>
-void attend_one(const float* q, const KV* k_pool, const KV* v_pool, const int64_t* table,
-                int64_t len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
-                std::vector<float>& scores, std::vector<float>& acc, float* out) {
-  const int64_t rep = heads / kv_heads;
+inline float dot(const float* q, const KV* k, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 16 == 0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t x = 0; x < dim; x += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k + x), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x + 8), load8(k + x + 8), a1);
+    }
+    const __m256 a = _mm256_add_ps(a0, a1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t x = 0; x < dim; ++x) sum += q[x] * static_cast<float>(k[x]);
+  return sum;
+}
+
+// acc += p * v over dim elements
+template <typename KV>
+inline void axpy(float* acc, float p, const KV* v, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 8 == 0) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t x = 0; x < dim; x += 8)
+      _mm256_storeu_ps(acc + x, _mm256_fmadd_ps(pv, load8(v + x), _mm256_loadu_ps(acc + x)));
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t x = 0; x < dim; ++x) acc[x] += p * static_cast<float>(v[x]);
+}
+
+// All query heads of one sequence over its tokens [t0, t1): per head the running max ``m``, the sum
+// of exp(score - m) ``z`` and the unnormalized sum of exp(score - m) * V ``acc`` ([heads, dim]).
+// An empty range leaves m = -FLT_MAX, z = 0, acc = 0.
+template <typename KV>
+void attend_part(const float* q, const KV* k_pool, const KV* v_pool, const int64_t* table, int64_t t0, int64_t t1,
+                 int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
+                 std::vector<float>& scores, float* m, float* z, float* acc) {
+  const int64_t rep = heads / kv_heads, len = std::max<int64_t>(0, t1 - t0);
   const int64_t row = kv_heads * dim, block_stride = block * row;
-  scores.resize(heads * len);
-  std::vector<float> top(heads, -FLT_MAX);
+  scores.resize(heads * std::max<int64_t>(1, len));
+  for (int64_t h = 0; h < heads; ++h) m[h] = -FLT_MAX;
   for (int64_t t = 0; t < len; ++t) {
-    const KV* k_row = k_pool + table[t / block] * block_stride + (t % block) * row;
+    const int64_t pos = t0 + t;
+    const KV* k_row = k_pool + table[pos / block] * block_stride + (pos % block) * row;
     for (int64_t h = 0; h < heads; ++h) {
-      const KV* k = k_row + (h / rep) * dim;
-      const float* qh = q + h * dim;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t x = 0; x < dim; ++x) dot += qh[x] * static_cast<float>(k[x]);
-      dot *= scale;
-      scores[h * len + t] = dot;
-      top[h] = std::max(top[h], dot);
+      const float score = dot(q + h * dim, k_row + (h / rep) * dim, dim) * scale;
+      scores[h * len + t] = score;
+      m[h] = std::max(m[h], score);
     }
   }
-  std::vector<float> total(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * len;
-    const float m = top[h];
-    float z = 0.f;
-#pragma omp simd reduction(+ : z)
+    const float top = m[h];
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      z += s[t];
+      s[t] = std::exp(s[t] - top);
+      total += s[t];
     }
-    total[h] = z;
+    z[h] = total;
   }
-  acc.assign(heads * dim, 0.f);
+  std::fill(acc, acc + heads * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const KV* v_row = v_pool + table[t / block] * block_stride + (t % block) * row;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float p = scores[h * len + t];
-      const KV* v = v_row + (h / rep) * dim;
-      float* a = acc.data() + h * dim;
-#pragma omp simd
-      for (int64_t x = 0; x < dim; ++x) a[x] += p * static_cast<float>(v[x]);
-    }
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.f / total[h];
-    for (int64_t x = 0; x < dim; ++x) out[h * dim + x] = acc[h * dim + x] * inv;
+    const int64_t pos = t0 + t;
+    const KV* v_row = v_pool + table[pos / block] * block_stride + (pos % block) * row;
+    for (int64_t h = 0; h < heads; ++h) axpy(acc + h * dim, scores[h * len + t], v_row + (h / rep) * dim, dim);
   }
 }
 
@@ -101,14 +140,28 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   auto out = torch::empty_like(q);
   const float* q_p = q.data_ptr<float>();
   float* o_p = out.data_ptr<float>();
+  // Each sequence's tokens are cut into ``parts`` ranges, one task each (flash-decoding's split):
+  // a batch smaller than twice the threads still uses every thread, each reading whole K/V rows
+  // (all KV heads of a token) in order. The ranges' partial softmaxes are merged after.
+  // NOTE: at batch 1 and 512 tokens, 30 layers apart (K/V out of L2), this took the call from
+  // ~210 us (a task per KV head: 128-byte reads 384 bytes apart) to ~90 us on 2 threads here.
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, len_p[i]);
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min((2 * threads + n - 1) / n, max_len / 64));
+  std::vector<float> part_m(n * parts * heads), part_z(n * parts * heads), part_acc(n * parts * heads * dim);
   auto run = [&](auto* k_p, auto* v_p) {
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
+    at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
       for (int64_t u = begin; u < end; ++u) {
         // Rows come sorted by length: alternate ends so each thread's contiguous share mixes long and short.
-        const int64_t i = (u % 2 == 0) ? u / 2 : n - 1 - u / 2;
-        attend_one(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, len_p[i], heads, kv_heads, dim, block,
-                   static_cast<float>(scale), scores, acc, o_p + i * heads * dim);
+        const int64_t s = u / parts, p = u % parts;
+        const int64_t i = (s % 2 == 0) ? s / 2 : n - 1 - s / 2;
+        const int64_t span = (len_p[i] + parts - 1) / parts;
+        const int64_t slot = i * parts + p;
+        attend_part(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, p * span, std::min(len_p[i], (p + 1) * span),
+                    heads, kv_heads, dim, block, static_cast<float>(scale), scores, part_m.data() + slot * heads,
+                    part_z.data() + slot * heads, part_acc.data() + slot * heads * dim);
       }
     });
   };
@@ -117,12 +170,23 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   } else {
     run(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
   }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -FLT_MAX;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_m[(i * parts + p) * heads + h]);
+      float total = 0.f;
+      float* o = o_p + (i * heads + h) * dim;
+      std::fill(o, o + dim, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t slot = (i * parts + p) * heads + h;
+        if (part_z[slot] == 0.f) continue;  // an empty range
+        const float w = std::exp(part_m[slot] - top);
+        total += w * part_z[slot];
+        axpy(o, w, part_acc.data() + slot * dim, dim);
+      }
+      const float inv = 1.f / total;
+      for (int64_t x = 0; x < dim; ++x) o[x] *= inv;
+    }
+  }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
-  // streams tokens, as it does during torch's own ops
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (CPU)",
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,111 @@
+// A linear layer with bfloat16 weights and float32 activations, for the few rows of a decode step.
+//
+// With few rows a linear layer is bound by the bytes of its weights: each weight is used once per
+// row. Stored in bfloat16, they are half the bytes of float32; widened to float32 in registers
+// (a bfloat16 is the top half of a float32), the products and sums stay in float32. This is the
+// bfloat16 path of CPUs without native bfloat16 instructions (AVX2): oneDNN's bfloat16 kernels
+// need AVX512-BF16, AVX-NE-CONVERT or AMX.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]). Threads split the output features; each task
+// walks 4 weight rows at a time against 2 activation rows at a time, so a block of weights is
+// widened once per 2 rows and stays in L1 for the next 2.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FORESERVE_AVX2 1
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#ifdef FORESERVE_AVX2
+inline __m256 load_bf16x8(const uint16_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Outputs [n0, n0 + NR) of rows [m0, m0 + MR): y[m, n] = x[m] . w[n] over k elements.
+template <int NR, int MR>
+inline void tile(const float* x, const uint16_t* w, float* y, int64_t k, int64_t ldy, int64_t m0, int64_t n0) {
+  float sums[MR][NR];
+  int64_t kk = 0;
+#ifdef FORESERVE_AVX2
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (; kk + 8 <= k; kk += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load_bf16x8(w + (n0 + j) * k + kk);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * k + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = 0.f;
+#endif
+  for (; kk < k; ++kk)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) sums[i][j] += x[(m0 + i) * k + kk] * bf16_to_float(w[(n0 + j) * k + kk]);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * ldy + n0 + j] = sums[i][j];
+}
+
+template <int NR>
+inline void rows(const float* x, const uint16_t* w, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= m; m0 += 2) tile<NR, 2>(x, w, y, k, n, m0, n0);
+  if (m0 < m) tile<NR, 1>(x, w, y, k, n, m0, n0);
+}
+
+}  // namespace
+
+// x [m, k] float32; w [n, k] bfloat16; bias [n] float32 or None -> [m, n] float32
+torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16w: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
+              "linear_bf16w: float32 x and bfloat16 w only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_bf16w: contiguous tensors only");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const float* x_p = x.data_ptr<float>();
+  const uint16_t* w_p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* y_p = y.data_ptr<float>();
+  constexpr int64_t NR = 4;
+  const int64_t blocks = n / NR;
+  // NOTE: ~16 KB of weights a task at least: enough work to be worth a thread
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, k));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rows<NR>(x_p, w_p, y_p, m, k, n, b * NR);
+  });
+  for (int64_t n0 = blocks * NR; n0 < n; ++n0) rows<1>(x_p, w_p, y_p, m, k, n, n0);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear_bf16w: bias of n elements");
+    y.add_(bias->to(at::kFloat).view({1, n}));
+  }
+  return y;
+}

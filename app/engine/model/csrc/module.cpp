@@ -1,0 +1,25 @@
+// The Python module of foreserve's CPU kernels: paged_decode.cpp, bf16_linear.cpp, rope_store.cpp
+// and rms_norm.cpp.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& tables, const torch::Tensor& lens, double scale);
+torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& slots, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                         int64_t heads, int64_t kv_heads);
+torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight,
+                           double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
+  // streams tokens, as it does during torch's own ops
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16w", &linear_bf16w, "x [m, k] float32 times bfloat16 w [n, k] transposed (+ bias) (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight (CPU, float32)",
+        py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store", &rope_store, "RoPE on q and k of a fused qkv, k and v stored into the paged pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}
