@@ -67,8 +67,10 @@ def gguf(dtype: str, model_dir: Path | None = None) -> Path:
         if not converter.is_file():
             raise LlamaCppMissing(f"{converter} not found: run `make llama-cpp`")
         tmp = out.with_suffix(".partial")
-        subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", dtype, "--outfile", str(tmp)],
-                       check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", dtype, "--outfile", str(tmp)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
         tmp.rename(out)
     return out
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -30,11 +31,6 @@ inline float bf16_to_float(uint16_t v) {
 }
 
 #ifdef FORESERVE_AVX2
-inline __m256 load_bf16x8(const uint16_t* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -43,26 +39,38 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Outputs [n0, n0 + NR) of rows [m0, m0 + MR): y[m, n] = x[m] . w[n] over k elements.
+// Outputs [n0, n0 + NR) of rows [m0, m0 + MR): y[m, n] = x[m] . w[n] over k elements. ``xe``/``xo``
+// hold each row's even- and odd-indexed elements apart ([m, k / 2] each, ``k2`` = k / 2 rounded down
+// to a multiple of 8): 16 bfloat16 weights load as 8 32-bit lanes, and the even ones widen with a
+// shift, the odd ones with a mask, 5 instructions where widening 8 at a time took 8.
 template <int NR, int MR>
-inline void tile(const float* x, const uint16_t* w, float* y, int64_t k, int64_t ldy, int64_t m0, int64_t n0) {
+inline void tile(const float* x, const float* xe, const float* xo, int64_t k2, const uint16_t* w, float* y,
+                 int64_t k, int64_t ldy, int64_t m0, int64_t n0) {
   float sums[MR][NR];
   int64_t kk = 0;
 #ifdef FORESERVE_AVX2
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (; kk + 8 <= k; kk += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load_bf16x8(w + (n0 + j) * k + kk);
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (; 2 * kk + 16 <= 2 * k2; kk += 8) {  // kk counts pairs: weights [2 kk, 2 kk + 16)
+    __m256 we[NR], wo[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + j) * k + 2 * kk));
+      we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      wo[j] = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
+    }
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * k + kk);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      const __m256 xev = _mm256_loadu_ps(xe + (m0 + i) * k2 + kk);
+      const __m256 xov = _mm256_loadu_ps(xo + (m0 + i) * k2 + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xov, wo[j], _mm256_fmadd_ps(xev, we[j], acc[i][j]));
     }
   }
+  kk *= 2;
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
 #else
+  (void)xe; (void)xo; (void)k2;
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = 0.f;
 #endif
@@ -74,10 +82,11 @@ inline void tile(const float* x, const uint16_t* w, float* y, int64_t k, int64_t
 }
 
 template <int NR>
-inline void rows(const float* x, const uint16_t* w, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+inline void rows(const float* x, const float* xe, const float* xo, int64_t k2, const uint16_t* w, float* y, int64_t m,
+                 int64_t k, int64_t n, int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + 2 <= m; m0 += 2) tile<NR, 2>(x, w, y, k, n, m0, n0);
-  if (m0 < m) tile<NR, 1>(x, w, y, k, n, m0, n0);
+  for (; m0 + 2 <= m; m0 += 2) tile<NR, 2>(x, xe, xo, k2, w, y, k, n, m0, n0);
+  if (m0 < m) tile<NR, 1>(x, xe, xo, k2, w, y, k, n, m0, n0);
 }
 
 }  // namespace
@@ -95,14 +104,22 @@ torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const
   const float* x_p = x.data_ptr<float>();
   const uint16_t* w_p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* y_p = y.data_ptr<float>();
+  // each row's even- and odd-indexed elements apart, over the first 2 * k2 elements (see ``tile``)
+  const int64_t k2 = (k / 2) / 8 * 8;
+  std::vector<float> xe(m * k2), xo(m * k2);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t e = 0; e < k2; ++e) {
+      xe[i * k2 + e] = x_p[i * k + 2 * e];
+      xo[i * k2 + e] = x_p[i * k + 2 * e + 1];
+    }
   constexpr int64_t NR = 4;
   const int64_t blocks = n / NR;
   // NOTE: ~16 KB of weights a task at least: enough work to be worth a thread
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, k));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rows<NR>(x_p, w_p, y_p, m, k, n, b * NR);
+    for (int64_t b = begin; b < end; ++b) rows<NR>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n, b * NR);
   });
-  for (int64_t n0 = blocks * NR; n0 < n; ++n0) rows<1>(x_p, w_p, y_p, m, k, n, n0);
+  for (int64_t n0 = blocks * NR; n0 < n; ++n0) rows<1>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n, n0);
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "linear_bf16w: bias of n elements");
     y.add_(bias->to(at::kFloat).view({1, n}));
