@@ -139,6 +139,15 @@ def replay(model: Path, requests: list[Any], kv_tokens: int, slots: int, threads
             "failed": sum(d < 0 for d in done), "tokens": sum(d for d in done if d > 0)}
 
 
+def best_try(tries: list[dict]) -> tuple[dict, bool]:
+    """The fastest slot count that finished every request (and True), else the one that finished
+    the most (and False: the peer's row then counts 0 tok/s)."""
+    complete = [t for t in tries if t["failed"] == 0]
+    if complete:
+        return min(complete, key=lambda t: t["wall_s"]), True
+    return max(tries, key=lambda t: t["finished"]), False
+
+
 def run_llama_cpp(name: str, requests: list[Any], kv_tokens: int, max_tokens: int, threads: int,
                   slots: tuple[int, ...] = SLOTS) -> dict:
     """Peer ``llama_cpp_<dtype>`` on ``requests`` (``hf_peers.normalize_requests``'s input): one result
@@ -149,8 +158,7 @@ def run_llama_cpp(name: str, requests: list[Any], kv_tokens: int, max_tokens: in
     reqs = normalize_requests(requests, None, max_tokens)
     model = gguf(dtype)
     tries = [replay(model, reqs, kv_tokens, s, threads) for s in slots]
-    complete = [t for t in tries if t["failed"] == 0]
-    best = min(complete, key=lambda t: t["wall_s"]) if complete else max(tries, key=lambda t: t["finished"])
+    best, complete = best_try(tries)
     useful = best["tokens"]
     return {
         "policy": name,
