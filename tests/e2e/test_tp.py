@@ -35,20 +35,27 @@ def _seqs(prompts: list[list[int]]) -> list[Seq]:
     return [Seq("a", prompts[0], GREEDY), Seq("b", prompts[1], GREEDY, chunk_tokens=7, start_step=2)]
 
 
-def test_tp2_matches_tp1_and_shuts_down_cleanly():
-    from app.engine.model.hf_runner import HFRunner
-    from app.engine.parallel.tp import TPGroupError, TPRunner, shm_path
-
+def _tp1_answers(config: EngineConfig, num_blocks: int) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """The prompts and the greedy answers of a TP=1 runner (torch's thread count restored after)."""
     import torch
 
+    from app.engine.model.hf_runner import HFRunner
+
     threads = torch.get_num_threads()
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
-    num_blocks = config.kv_pool_blocks(1)
     tp1 = HFRunner(config, num_blocks)
     prompts = _prompts(tp1.tokenizer)
     expected = play_engine(tp1, _seqs(prompts))
     del tp1
     torch.set_num_threads(threads)
+    return prompts, expected
+
+
+def test_tp2_matches_tp1_and_shuts_down_cleanly():
+    from app.engine.parallel.tp import TPGroupError, TPRunner, shm_path
+
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
+    num_blocks = config.kv_pool_blocks(1)
+    prompts, expected = _tp1_answers(config, num_blocks)
 
     tp2 = TPRunner(config.model_copy(update={"tensor_parallel_size": 2}), num_blocks)
     try:
@@ -82,19 +89,11 @@ def test_tp2_bfloat16_matches_tp1_bfloat16():
     """dtype bfloat16 under TP=2: DeepSpeed's sharded layers run their own forward in bfloat16 (their
     all-reduce inside), where TP=1 widens the bfloat16 weights and sums in float32; the greedy answers
     agree for their first 12 tokens (bfloat16 sums break near-ties late in an answer)."""
-    import torch
-
-    from app.engine.model.hf_runner import HFRunner
     from app.engine.parallel.tp import TPRunner
 
-    threads = torch.get_num_threads()
     config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="bfloat16")
     num_blocks = config.kv_pool_blocks(1)
-    tp1 = HFRunner(config, num_blocks)
-    prompts = _prompts(tp1.tokenizer)
-    expected = play_engine(tp1, _seqs(prompts))
-    del tp1
-    torch.set_num_threads(threads)
+    prompts, expected = _tp1_answers(config, num_blocks)
     tp2 = TPRunner(config.model_copy(update={"tensor_parallel_size": 2}), num_blocks)
     try:
         got = play_engine(tp2, _seqs(prompts))
