@@ -8,7 +8,7 @@ import torch
 
 
 def test_decode_groups_cover_sorted_rows_in_equal_slices():
-    from app.engine.model.hf_runner import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
+    from app.engine.model.step_inputs import DECODE_GROUP_ROWS, MAX_DECODE_GROUPS, decode_groups
 
     assert decode_groups([]) == []
     assert decode_groups(list(range(5))) == [(0, 5)]  # too few rows to split

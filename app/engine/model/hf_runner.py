@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -28,14 +27,9 @@ from app.engine.model.cpu_linear import fast_linear, fuse_rows, linear, native_b
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
+from app.engine.model.step_inputs import Step, build_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Decode attention gathers each sequence's KV blocks padded to the longest context of its group, so
-# decode rows are sorted by context and cut into up to this many equal groups of at least
-# DECODE_GROUP_ROWS rows: one SDPA per group. 4 groups read 35% fewer bytes than one (batch 32,
-# contexts 200-1200, measured here); more groups cost more calls than they save.
-MAX_DECODE_GROUPS = 4
-DECODE_GROUP_ROWS = 8
 T = TypeVar("T")
 
 
@@ -75,49 +69,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-@dataclass(slots=True)
-class _Prefill:
-    start: int  # rows [start, end) of the packed step
-    end: int
-    ctx_tokens: int  # attends to positions [0, ctx_tokens)
-    block_ids: torch.Tensor | None  # None: the chunk starts at position 0, attend to its own K/V
-    mask: torch.Tensor | None  # [n, ctx] True = attend; None = plain causal
-
-
-@dataclass(slots=True)
-class _DecodeGroup:
-    start: int  # decode rows [start, end)
-    end: int
-    blocks: torch.Tensor  # [(end - start) * max_blocks] block tables padded to the group's longest context
-    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] True = attend
-
-
-def decode_groups(ctx: list[int]) -> list[tuple[int, int]]:
-    """Row ranges of decode rows sorted by ascending context ``ctx``: equal-sized groups, up to
-    ``MAX_DECODE_GROUPS`` of at least ``DECODE_GROUP_ROWS`` rows."""
-    n = len(ctx)
-    groups = max(1, min(MAX_DECODE_GROUPS, n // DECODE_GROUP_ROWS))
-    cuts = [round(g * n / groups) for g in range(groups + 1)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-@dataclass(slots=True)
-class _Step:
-    """Index tensors for one step, built once and reused by every layer."""
-
-    input_ids: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] flat pool slot of each token
-    cos: torch.Tensor  # [T, 1, head_dim]
-    sin: torch.Tensor
-    num_decode: int  # rows [0, num_decode) are one-token chunks, by ascending context
-    decode: list[_DecodeGroup]  # the gather + SDPA path's groups; empty under the paged kernel
-    decode_tables: torch.Tensor | None  # the paged kernel's [num_decode, max_blocks] block tables
-    decode_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends to
-    prefills: list[_Prefill]
-    sample_rows: torch.Tensor  # rows whose logits are computed
-    sample_chunks: list[ScheduledChunk]
 
 
 class HFRunner(Runner):
@@ -249,65 +200,11 @@ class HFRunner(Runner):
                     sampled = {c.request_id: t for c, t in zip(cs, tokens)}
         return ModelRunnerOutput(sampled_token_ids=sampled, step_s=time.perf_counter() - t0)
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> _Step:
-        bs = self.block_size
-        # NOTE: one-token chunks first, shortest context first, so each decode group is a slice of rows.
-        decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-        prefills = [c for c in chunks if len(c.token_ids) > 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        for c in decodes + prefills:
-            n = len(c.token_ids)
-            if c.start_pos + n > len(c.block_ids) * bs:
-                raise ValueError(f"{c.request_id}: positions up to {c.start_pos + n} exceed its "
-                                 f"{len(c.block_ids)} blocks of {bs} tokens")
-            ids.extend(c.token_ids)
-            for pos in range(c.start_pos, c.start_pos + n):
-                positions.append(pos)
-                slots.append(c.block_ids[pos // bs] * bs + pos % bs)
-            if c.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_chunks.append(c)
-        pos_t = torch.tensor(positions)
-        cos, sin = self.rotary(self.k_cache, pos_t[None])
-        groups: list[_DecodeGroup] = []
-        lengths = [c.start_pos + 1 for c in decodes]
-        tables = lens = None
-        if self.paged_decode is not None:
-            if decodes:
-                nb = -(-lengths[-1] // bs)  # the longest context's blocks
-                tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes])
-                lens = torch.tensor(lengths)
-        else:
-            for a, b in decode_groups(lengths):
-                nb = -(-lengths[b - 1] // bs)  # the group's longest context
-                table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
-                mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths[a:b])[:, None])[:, None, None, :]
-                groups.append(_DecodeGroup(a, b, torch.tensor(table).view(-1), mask))
-        plans: list[_Prefill] = []
-        row = len(decodes)
-        for c in prefills:
-            n = len(c.token_ids)
-            ctx = c.start_pos + n
-            if c.start_pos == 0:
-                plans.append(_Prefill(row, row + n, ctx, None, None))
-            else:
-                blocks = torch.tensor(c.block_ids[: -(-ctx // bs)])
-                q_pos = torch.arange(c.start_pos, ctx)
-                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-                plans.append(_Prefill(row, row + n, ctx, blocks, mask))
-            row += n
-        return _Step(
-            input_ids=torch.tensor(ids), slots=torch.tensor(slots),
-            cos=cos[0][:, None, :].to(self.act_dtype), sin=sin[0][:, None, :].to(self.act_dtype),
-            num_decode=len(decodes), decode=groups, decode_tables=tables, decode_lens=lens,
-            prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
-        )
+    def _prepare(self, chunks: list[ScheduledChunk]) -> Step:
+        return build_step(chunks, self.block_size, self.rotary, self.k_cache, self.act_dtype,
+                          paged=self.paged_decode is not None)
 
-    def _forward(self, step: _Step) -> torch.Tensor:
+    def _forward(self, step: Step) -> torch.Tensor:
         """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""
         T = step.input_ids.shape[0]
         h = self.embed(step.input_ids).to(self.act_dtype)  # [T, hidden]
@@ -385,7 +282,7 @@ class HFRunner(Runner):
         h = h if delta is None else h + delta
         return h, F.rms_norm(h, w.shape, w, eps)
 
-    def _attention(self, q, k, v, kc, vc, step: _Step) -> torch.Tensor:
+    def _attention(self, q, k, v, kc, vc, step: Step) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` of this step, kc/vc one layer of the pool -> ``[T, H*D]``."""
         T = q.shape[0]
         kvh, hd, rep = self.num_kv_heads, self.head_dim, self.num_rep
