@@ -16,12 +16,13 @@ finishes every request, and which counts failed.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from app import paths
 from app.ports import free_port
+from loadtests.loadtest import get_json
 
 DTYPES = ("bf16", "f32", "q4_1")
 PEERS = tuple(f"llama_cpp_{d}" for d in DTYPES)
@@ -87,20 +89,25 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LlamaServer":
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # NOTE: its output goes to a file, so that a server that dies says why
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(self.args)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+                why = f"llama-server exited with {self.proc.returncode}: {' '.join(self.args)}\n{self._log_tail()}"
+                self.__exit__()
+                raise RuntimeError(why)
+            if get_json(f"{self.url}/health", 2) is not None:  # 503 (None) while it loads the model
+                return self
             time.sleep(0.2)
+        why = f"llama-server did not become healthy in 120 s\n{self._log_tail()}"
         self.__exit__()
-        raise TimeoutError("llama-server did not become healthy in 120 s")
+        raise TimeoutError(why)
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2000:]
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
@@ -110,6 +117,7 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
     def complete(self, prompt_token_ids: list[int], n_predict: int) -> int:
         """Generates exactly ``n_predict`` tokens (greedy, EOS ignored); returns the tokens generated."""
@@ -127,8 +135,8 @@ def replay(model: Path, requests: list[Any], kv_tokens: int, slots: int, threads
         def one(r) -> int:
             try:
                 got = server.complete(r.prompt_token_ids, r.forced_output_tokens)
-            except (urllib.error.HTTPError, urllib.error.URLError):
-                return -1
+            except (OSError, http.client.HTTPException, ValueError, KeyError):
+                return -1  # HTTP 500 (cache full), a dropped connection, an answer without tokens_predicted
             return got if got == r.forced_output_tokens else -1
 
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from app import paths
@@ -22,11 +23,11 @@ from app.engine.clock import ModelledClock, WallClock
 from app.engine.request import EngineRequest, Prediction, SamplingParams
 from app.engine.runner import Runner
 from app.engine.sim.replay import ReplayRunner
+from loadtests.bench.hf_peers import PEERS as HF_PEERS, run_peer
+from loadtests.bench.llama_cpp import PEERS as LLAMA_CPP_PEERS, run_llama_cpp
 from predictor.base import LengthPredictor, MaxPredictor, OraclePredictor
 from predictor.buckets import LengthBuckets
 
-HF_PEERS = ("hf_static", "hf_continuous")
-LLAMA_CPP_PEERS = ("llama_cpp_bf16", "llama_cpp_f32", "llama_cpp_q4_1")  # loadtests/bench/llama_cpp.py
 PEERS = HF_PEERS + LLAMA_CPP_PEERS
 DEFAULT_SCHEDULER = {"reserve_max": "fcfs", "paged": "fcfs", "reserve_predicted": "offline", "oracle": "offline"}
 
@@ -184,12 +185,6 @@ def ratios(results: list[dict]) -> dict:
     return out
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def run_benchmark(
     policies: list[str],
     num_requests: int,
@@ -244,12 +239,9 @@ def run_benchmark(
             for peer in (p for p in policies if p in PEERS):
                 kv = num_blocks * block_size_tokens
                 if peer in LLAMA_CPP_PEERS:
-                    from loadtests.bench.llama_cpp import run_llama_cpp
-
-                    rows[peer].append(run_llama_cpp(peer, requests, kv, max_tokens, base.torch_threads or torch_threads()))
+                    threads = base.torch_threads or torch.get_num_threads()
+                    rows[peer].append(run_llama_cpp(peer, requests, kv, max_tokens, threads))
                 else:
-                    from loadtests.bench.hf_peers import run_peer
-
                     rows[peer].append(run_peer(peer, runner, requests, kv, max_tokens))
                 tqdm.write(f"[{rep + 1}/{repeats}] {peer}: {rows[peer][-1]['output_tokens_per_s']} tok/s")
     finally:

@@ -90,18 +90,14 @@ def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None) -> Fas
     if not _plain_cpu_linear(module):
         return None
     w, bias = module.weight, module.bias
+    packed = prepack(module)  # float32, or bfloat16 on a CPU with native bfloat16
+    if packed is not None:
+        if w.dtype == torch.float32:
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [], "").float()
+    if w.dtype != torch.bfloat16 or bf16_op is None:
+        return None
     bias32 = None if bias is None else bias.detach().float()
-    if w.dtype == torch.float32:
-        packed = _pack(w, bias)
-        return None if packed is None else (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
-    if w.dtype != torch.bfloat16:
-        return None
-    if native_bf16():
-        packed = _pack(w, bias)
-        if packed is not None:
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [], "").float()
-    if bf16_op is None:
-        return None
     w32 = w.detach().float()
     packed32 = _pack(w32, bias32)
     if packed32 is None:

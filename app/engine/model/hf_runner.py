@@ -118,6 +118,13 @@ class HFRunner(Runner):
         # (DeepSpeed's modules, which all-reduce inside) run their own forward.
         self.plain_mlp = all(_is_plain_gated_mlp(layer.mlp) for layer in self.layers)
         self.plain_lm_head = type(self.lm_head) is torch.nn.Linear
+        # (weight, eps) of each float32 RMSNorm, read once here rather than on every call
+        self._rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]] = {}
+        for norm in self.model.modules():
+            eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+            w = getattr(norm, "weight", None)
+            if "RMSNorm" in type(norm).__name__ and eps is not None and w is not None and w.dtype == torch.float32:
+                self._rms_params[norm] = (w, eps)
         # NOTE: a dict by module of ``fast_linear``'s functions; a module missing from it runs the plain path
         self.packed: dict[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {}
         # per layer: q, k, v fused into one linear, and gate, up (``fuse_rows``); None where unfused
@@ -271,12 +278,11 @@ class HFRunner(Runner):
         """``(h + delta, norm(h + delta))`` (``delta`` None: nothing added). A float32 RMSNorm on a CPU
         is one C++ op that adds in place (``csrc/rms_norm.cpp``; ~35 us a call less than torch's
         chain of small ops at one row), or torch's ``rms_norm``; any other norm runs its forward."""
-        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
-        w = getattr(norm, "weight", None)
-        if eps is None or w is None or h.dtype != torch.float32 or w.dtype != torch.float32 \
-                or "RMSNorm" not in type(norm).__name__:
+        params = self._rms_params.get(norm)
+        if params is None or h.dtype != torch.float32:
             h = h if delta is None else h + delta
             return h, norm(h)
+        w, eps = params
         if self.add_rms_norm is not None and h.is_contiguous() and (delta is None or delta.is_contiguous()):
             return h, self.add_rms_norm(h, delta, w, eps)
         h = h if delta is None else h + delta
