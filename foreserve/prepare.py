@@ -12,7 +12,7 @@ from app.prepare.traces import MANIFEST, SPLITS, ensure_traces
 def prepare(force: bool = False, predictor: bool = True) -> dict:
     """Build the model folder and the ShareGPT traces if absent (``force`` rebuilds the traces),
     build the engine's CPU kernels (once per machine: its first replica then starts without
-    a ~25 s compile), then train, register and promote a first length predictor if MLflow has no
+    a 93 s compile here), then train, register and promote a first length predictor if MLflow has no
     champion.
 
     Returns a summary: paths, per-split record counts, the predictor and seconds spent.

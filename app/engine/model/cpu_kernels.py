@@ -3,7 +3,7 @@
 RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``) and the residual add with
 the RMSNorm after it (``csrc/rms_norm.cpp``).
 
-One extension, built on first use with torch's C++ extension loader (g++ and ninja, ~25 s here), once per machine
+One extension, built on first use with torch's C++ extension loader (g++ and ninja, 93 s here on 2 cores), once per machine
 and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under ``foreserve-<cpu>`` (``-march=native``, so a build is never shared between CPUs with
 different instruction sets), outside any one ``FORESERVE_HOME``, and later processes load it in
