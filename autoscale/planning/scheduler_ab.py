@@ -74,8 +74,9 @@ class LoadRun:
 
 def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, rate_rps: float,
                   duration_s: float, seed: int = 0, bucket_noise: float = 0.0,
-                  predictions: Predictions | None = None, order_by: str = "rank") -> LoadRun:
-    """One open-loop run of ``config.scheduler`` (the runner is stateless between runs)."""
+                  predictions: Predictions | None = None, order_by: str = "rank", label: str | None = None) -> LoadRun:
+    """One open-loop run of ``config.scheduler`` (the runner is stateless between runs); ``label``
+    names it in the result (default: the scheduler's name)."""
     if order_by not in ("rank", "bound"):
         raise ValueError(f"order_by is 'rank' or 'bound', got {order_by!r}")
     replay = ReplayRunner(runner)
@@ -123,13 +124,28 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
     met = (ttft <= config.ttft_slo_ms / 1000) & (tpot <= config.tpot_slo_ms / 1000)
     stats = engine.stats()
     return LoadRun(
-        scheduler=config.scheduler, rate_rps=rate_rps, seed=seed, requests=len(done),
+        scheduler=label or config.scheduler, rate_rps=rate_rps, seed=seed, requests=len(done),
         mean_e2e_s=round(float(e2e.mean()), 3), p90_ttft_s=round(float(np.percentile(ttft, 90)), 3),
         p50_tpot_ms=round(float(np.median(tpot)) * 1000, 1), slo_attainment=round(float(met.mean()), 4),
         goodput_rps=round(float(met.sum()) / duration_s, 4),
         output_tokens_per_s=round(stats.output_tokens / engine.clock(), 2),
         mean_running_batch=round(stats.mean_running_batch, 2),
     )
+
+
+def scheduler_config(config: EngineConfig, spec: str) -> EngineConfig:
+    """``online``, ``fcfs``, ... with engine settings after colons: ``online:tpot_target_ms=150``,
+    ``online:knee_throughput_fraction=1`` (values are parsed as YAML scalars)."""
+    import yaml
+
+    name, *settings = spec.split(":")
+    update: dict = {"scheduler": name}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or key not in EngineConfig.model_fields:
+            raise ValueError(f"{spec!r}: settings after the scheduler are field=value of the engine config, got {setting!r}")
+        update[key] = yaml.safe_load(value)
+    return EngineConfig.model_validate(config.model_dump() | update)
 
 
 def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, rates: list[float],
@@ -147,8 +163,8 @@ def scheduler_ab(runner: SimRunner, config: EngineConfig, workload: Workload, ra
     for rate in rates:
         pairs = []
         for seed in range(seeds):
-            pair = [simulate_load(runner, config.model_copy(update={"scheduler": s}), workload, rate, duration_s,
-                                  seed, bucket_noise, predictions, order_by) for s in (a, b)]
+            pair = [simulate_load(runner, scheduler_config(config, s), workload, rate, duration_s,
+                                  seed, bucket_noise, predictions, order_by, label=s) for s in (a, b)]
             runs += [asdict(r) for r in pair]
             pairs.append(pair)
         goodput_ratios = [ra.goodput_rps / rb.goodput_rps for ra, rb in pairs if rb.goodput_rps > 0]
@@ -196,3 +212,27 @@ def _medians(runs: list[LoadRun]) -> dict:
     keys = ("mean_e2e_s", "p90_ttft_s", "p50_tpot_ms", "slo_attainment", "goodput_rps", "output_tokens_per_s",
             "mean_running_batch")
     return {k: round(float(np.median([getattr(r, k) for r in runs])), 4) for k in keys}
+
+
+def plot_ab(report: dict, path: str) -> None:
+    """TPOT p50, goodput and mean E2E against the rate, one line per scheduler (a PNG at ``path``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [row["rate_rps"] for row in report["summary"]]
+    panels = (("p50_tpot_ms", "TPOT p50 (ms)"), ("goodput_rps", "goodput (req/s within both SLOs)"),
+              ("mean_e2e_s", "mean E2E (s)"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name in report["schedulers"]:
+            ax.plot(rates, [row[name][key] for row in report["summary"]], marker="o", label=name)
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report['runner']['model']} on {report['runner']['hardware']}"[:120], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -160,6 +160,10 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.calibration}: not `plan calibrate-cpu --json` output (missing {exc})") from None
         runner = SimRunner(cpu_profile(*rates), cpu_model())
         kv_tokens, batch_tokens = args.kv_tokens or 8192, args.batch_tokens or 256  # the online pool's
+        if args.step_trace:
+            from app.engine.sim.measured import MeasuredRunner, read_step_trace
+
+            runner = MeasuredRunner(runner, *read_step_trace(args.step_trace), source=", ".join(args.step_trace))
     else:
         hardware, model = parse_sim_spec(f"{args.hardware}:{args.model}")
         runner = SimRunner(hardware, model, args.tp)
@@ -180,12 +184,12 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     print(f"{r['model']} tp={r['tp_size']} on {r['hardware']}, KV {kv_tokens} tokens, step budget {batch_tokens}, SLOs TTFT {args.ttft_slo_ms:g} ms / "
           f"TPOT {args.tpot_slo_ms:g} ms; medians of {args.seeds} seeds, {args.duration:g} s of arrivals")
     print(f"predictor {report['predictor']}, online orders by its {'ranking estimate' if args.order_by == 'rank' else 'reservation bound'}")
-    print(f"{'rate':>6} {'scheduler':>9} {'mean E2E s':>10} {'TTFT p90 s':>10} {'TPOT p50 ms':>11} {'SLO met':>8} "
+    print(f"{'rate':>6} {'scheduler':>10} {'mean E2E s':>10} {'TTFT p90 s':>10} {'TPOT p50 ms':>11} {'SLO met':>8} "
           f"{'goodput':>8} {'tok/s':>8} {'batch':>6}")
     for row in report["summary"]:
         for name in (a, b):
             m = row[name]
-            print(f"{row['rate_rps']:>6g} {name:>9} {m['mean_e2e_s']:>10.1f} {m['p90_ttft_s']:>10.1f} {m['p50_tpot_ms']:>11.0f} "
+            print(f"{row['rate_rps']:>6g} {name:>10} {m['mean_e2e_s']:>10.1f} {m['p90_ttft_s']:>10.1f} {m['p50_tpot_ms']:>11.0f} "
                   f"{m['slo_attainment']:>8.1%} {m['goodput_rps']:>8.3f} {m['output_tokens_per_s']:>8.1f} "
                   f"{m['mean_running_batch']:>6.1f}")
         goodput = "n/a (no run of B met an SLO)" if row["goodput_ratio"] is None else f"{row['goodput_ratio']:.2f}x"
@@ -198,6 +202,11 @@ def cmd_scheduler_ab(args: argparse.Namespace) -> int:
     print(f"ceiling: {requests} answers all queued, {slots} at a time, exact shortest-first vs arrival order: mean "
           f"completion {report['queued_order_gain']['gain']:.2f}x lower")
     _write(args.json, report)
+    if args.plot:
+        from autoscale.planning.scheduler_ab import plot_ab
+
+        plot_ab(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -259,6 +268,10 @@ def add_parser(sub) -> None:
     ab.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the replica (default 1)")
     ab.add_argument("--calibration", metavar="JSON", help="a CPU profile from `plan calibrate-cpu --json` (then the "
                     "model is SmolLM2-135M float32, --hardware/--model are ignored)")
+    ab.add_argument("--step-trace", nargs="+", metavar="JSONL",
+                    help="with --calibration: time each step as the traced engine timed steps of its size (median "
+                    "per size, decode-only and with a prefill chunk apart; files written under FORESERVE_STEP_TRACE) "
+                    "instead of the fitted roofline")
     ab.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], required=True,
                     help="requests/s, comma-separated, e.g. 0.3,0.6 with --calibration or 20,40 on an H100")
     ab.add_argument("--duration", type=float, default=90, help="seconds of arrivals per run (default 90)")
@@ -279,5 +292,7 @@ def add_parser(sub) -> None:
     ab.add_argument("--aging-tokens-per-step", type=float, default=0.25,
                     help="the online scheduler's aging: predicted tokens forgiven per step waited (default 0.25)")
     ab.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
-                    help="the two schedulers (default online,fcfs)")
+                    help="the two schedulers (default online,fcfs), each with engine settings after colons if "
+                    "wanted: online:tpot_target_ms=150,online:knee_throughput_fraction=1")
+    ab.add_argument("--plot", metavar="PNG", help="write TPOT p50, goodput and mean E2E against the rate")
     ab.set_defaults(func=cmd_scheduler_ab)

@@ -152,7 +152,7 @@ def test_scheduler_ab_online_beats_fcfs_in_overload():
 def test_scheduler_ab_orders_by_the_given_ranking_estimate():
     """A predictor whose bounds all say max_tokens ranks nothing by its bound; its ranking estimate
     (here exact) lets the online scheduler run short answers first."""
-    runner, config = _cpu_ab_config()
+    runner, config = _cpu_ab_config(knee_throughput_fraction=1.0)  # steps filled to the TPOT objective
     workload = Workload.lognormal(300, 111, 150, max_tokens=256, seed=2)
     flat = Predictions([9] * 300, [256] * 300, [float(t) for t in workload.output_tokens], "test")
     by_rank, by_bound = (scheduler_ab(runner, config, workload, rates=[0.8], duration_s=40, seeds=1, predictions=flat,
@@ -191,3 +191,39 @@ def test_scheduler_ab_rejects_bad_input_clearly(tmp_path, capsys):
     bad.write_text(json.dumps({"points": []}))
     assert main(["plan", "scheduler-ab", "--calibration", str(bad), "--rates", "0.3"]) == 2
     assert "not `plan calibrate-cpu --json` output" in capsys.readouterr().err
+
+
+def test_scheduler_ab_takes_engine_settings_after_the_scheduler_name():
+    from autoscale.planning.scheduler_ab import scheduler_config
+
+    _, config = _cpu_ab_config()
+    tuned = scheduler_config(config, "online:tpot_target_ms=150:knee_throughput_fraction=1")
+    assert (tuned.scheduler, tuned.tpot_target_ms, tuned.knee_throughput_fraction) == ("online", 150.0, 1.0)
+    assert scheduler_config(config, "fcfs").scheduler == "fcfs"
+    with pytest.raises(ValueError, match="field=value"):
+        scheduler_config(config, "online:tpot=150")
+
+
+def test_measured_runner_times_steps_as_the_trace_did(tmp_path):
+    from app.engine.outputs import ScheduledChunk, SchedulerOutput
+    from app.engine.request import SamplingParams
+    from app.engine.sim.measured import MeasuredRunner, read_step_trace
+
+    trace = tmp_path / "steps.jsonl"
+    steps = [(1, 0, 0.04), (8, 0, 0.10), (0, 64, 0.30)] * 3 + [(16, 0, 9.9)]  # one step of 16 rows: too few to time
+    trace.write_text("".join(json.dumps({"decode_rows": d, "prefill_tokens": p, "forward_s": s}) + "\n" for d, p, s in steps))
+    runner = MeasuredRunner(_cpu_ab_config()[0], *read_step_trace([trace]))
+    greedy = SamplingParams(temperature=0.0)
+
+    def step_s(*chunks):
+        return runner.execute(SchedulerOutput([ScheduledChunk(f"r{i}", [1] * n, 100, [0], sample, greedy, 0)
+                                               for i, (n, sample) in enumerate(chunks)])).step_s
+
+    assert step_s((1, True)) == pytest.approx(0.04)
+    assert step_s(*[(1, True)] * 4) == pytest.approx(0.04 + 0.06 * 3 / 7)  # between the 1- and 8-row medians
+    assert step_s(*[(1, True)] * 16) == pytest.approx(0.20)  # past 8 rows: proportional, not the lone 9.9 s step
+    assert step_s((32, False)) == pytest.approx(0.30) and step_s((128, True)) == pytest.approx(0.60)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no bin"):
+        read_step_trace([empty])

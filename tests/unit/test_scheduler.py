@@ -368,3 +368,44 @@ def test_step_time_model_extrapolates_past_the_largest_step_run():
         model.observe(tokens, step_s)
     assert model.max_tokens_within(0.2) == 16  # proportional past 8 tokens: 0.1 s * 16 / 8
     assert model.max_tokens_within(0.07) == 3  # interpolated between 2 (60 ms) and 4 (80 ms)
+
+
+def test_knee_is_the_fewest_tokens_at_most_of_the_best_throughput():
+    """Step time flat to 32 tokens, then linear (a GPU): the knee is where throughput stops rising;
+    while it still rises at the largest size run, the steps may double to learn more."""
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    assert model.knee_tokens(1000, 0.9) is None
+    flat_then_linear = [(1, 0.010), (4, 0.010), (16, 0.010), (32, 0.010), (64, 0.020), (128, 0.040)]
+    for tokens, step_s in flat_then_linear * 2:
+        model.observe(tokens, step_s)
+    assert model.knee_tokens(1000, 0.9) == 32  # 3,200 tokens/s from 32 tokens on
+    assert model.knee_tokens(20, 0.9) == 20  # still rising at 16, the last size within the limit: grow to it
+    rising = StepTimeModel()
+    for tokens, step_s in [(1, 0.05), (2, 0.06), (4, 0.08), (8, 0.1)] * 2:
+        rising.observe(tokens, step_s)
+    assert rising.knee_tokens(1000, 0.9) == 16  # 8 tokens is the best so far and more than 1/0.9 of 4's
+    assert rising.knee_tokens(12, 0.9) == 12
+
+
+def test_online_step_budget_is_the_knee_or_the_tpot_target():
+    from app.engine.scheduler.online import MIN_STEP_TOKENS
+
+    def scheduler(**settings):
+        sched = make_engine("reserve_predicted", "online", tpot_slo_ms=100.0, max_num_seqs=128,
+                            max_num_batched_tokens=512, **settings).scheduler
+        for tokens in (1, 4, 16, 32, 64, 128):  # 10 ms flat to 32 tokens, then 0.3125 ms a token
+            sched.observe_step(tokens, max(0.010, tokens * 0.0003125))
+        return sched
+
+    knee = scheduler()
+    assert knee.max_running() == 32 and knee.step_token_budget() == 32
+    full = scheduler(knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
+    assert full.max_running() == 128 and full.step_token_budget() == 320  # max_num_seqs 128, budget 512
+    target = scheduler(tpot_target_ms=20.0)  # 20 ms = 64 tokens
+    assert target.max_running() == 64 and target.step_token_budget() == 64
+    slow = scheduler(tpot_target_ms=1.0)
+    assert slow.max_running() == 1 and slow.step_token_budget() == MIN_STEP_TOKENS
+    above = scheduler(tpot_target_ms=500.0)  # never past the objective
+    assert above.step_token_budget() == 320

@@ -12,9 +12,13 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   soon outweighs every prediction and the order decays to FCFS. The default, a quarter token per
   step, bounds the wait at about four run times and keeps the order shortest-first.
 - TPOT: the step time is learned online as a non-decreasing function of the tokens a step carries
-  (running means per bin of step sizes, made monotone; ``StepTimeModel``); the per-step token budget
-  is capped so a step stays within the TPOT objective, which bounds decode batch size and prefill
-  chunks alike.
+  (running means per bin of step sizes, made monotone; ``StepTimeModel``). The per-step token budget,
+  which bounds the decode batch and the prefill chunk alike (Sarathi-Serve's stall-free batching: a
+  step's decodes first, prompt chunks in what is left), is the throughput knee: the fewest tokens
+  that still run at ``knee_throughput_fraction`` of the best tokens/s measured within the TPOT
+  objective. Where step time stays flat as the batch grows (a GPU) TPOT stays far below the
+  objective at nearly the full throughput; where throughput keeps rising with the batch (a 2-core
+  CPU) the knee is the objective. ``tpot_target_ms`` sets the step time instead.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
@@ -105,6 +109,24 @@ class StepTimeModel:
         return int(x_last * step_s / t_last + 1e-6)
 
 
+    def knee_tokens(self, limit: int, fraction: float) -> int | None:
+        """The fewest tokens a step may carry and still run at ``fraction`` of the best throughput
+        (tokens per second of step) measured at up to ``limit`` tokens; None until measured.
+
+        Where that is the largest size measured (throughput still rose by more than ``1 / fraction``
+        up to it), twice that size, up to ``limit``: the steps grow until the model has seen where
+        throughput flattens, since past the sizes run it cannot tell."""
+        if sum(self.counts) < 4:
+            return None
+        points = [(x, t) for x, t in self.curve() if x <= limit and t > 0]
+        if not points:
+            return limit  # every size measured is above the limit: nothing smaller to choose by
+        rates = [x / t for x, t in points]
+        knee = next(i for i, r in enumerate(rates) if r >= fraction * max(rates))
+        tokens = max(1, int(points[knee][0]))
+        return min(limit, 2 * tokens) if knee == len(points) - 1 else tokens
+
+
 class OnlineScheduler(Scheduler):
     name = "online"
     skip_unfit = True
@@ -132,8 +154,15 @@ class OnlineScheduler(Scheduler):
         return (-req.priority, req.rank_remaining_tokens, self._admit_order[req.request_id])
 
     def _tpot_cap(self) -> int | None:
-        """Tokens per step that keep a step within the TPOT objective (None until measured)."""
-        return self.step_model.max_tokens_within(TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0)
+        """Tokens per step (None until measured): within the TPOT target if one is set, else the
+        throughput knee below the TPOT objective."""
+        slo_s = TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0
+        if self.config.tpot_target_ms is not None:
+            return self.step_model.max_tokens_within(min(slo_s, self.config.tpot_target_ms / 1000.0))
+        slo_cap = self.step_model.max_tokens_within(slo_s)
+        if slo_cap is None or self.config.knee_throughput_fraction >= 1.0:
+            return slo_cap
+        return self.step_model.knee_tokens(slo_cap, self.config.knee_throughput_fraction)
 
     def step_token_budget(self) -> int:
         cap = self._tpot_cap()
