@@ -56,6 +56,7 @@ class EngineConfig(BaseModel):
     tp_workers: Literal["auto", "processes", "ray"] = Field("auto", description="TP ranks as Ray actors in the replica's placement group (ray), as child processes (processes), or ray whenever Ray is initialized (auto).")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; default: torch's (OMP_NUM_THREADS: a Ray actor's CPUs, else the cores; TP ranks: cores / TP).")
     seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
+    stall_timeout_s: float = Field(20.0, gt=0, description="A replica's health check fails when its engine loop has had requests but finished no step for this long (a hung forward, a deadlock): Serve replaces it. Ten times this before the first step (kernels compiled on first use).")
     step_trace_dir: str | None = Field(None, description="Write one JSONL line per engine step into this folder (the CLI and the deployments fill it from FORESERVE_STEP_TRACE).")
 
     @model_validator(mode="after")
@@ -180,6 +181,7 @@ class IngressConfig(BaseModel):
 
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys, readable in the Serve config; `foreserve serve` hands FORESERVE_API_KEYS to the replicas as SHA-256 digests instead. None of either: no auth.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
+    max_header_bytes: int = Field(65_536, ge=1024, description="Requests whose header names and values add up to more get 431.")
     max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
     flex_max_wait_s: float = Field(600.0, ge=0, description="A flex request waits at the ingress at most this long while the autoscaler has the offline pool at zero (it yielded to online); then it goes anyway and Serve starts the pool.")

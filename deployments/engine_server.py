@@ -114,6 +114,9 @@ class EngineServer:
         emitted = self._emit_log(req.request_id)
         try:
             async for out in stream:
+                if out.error is not None:  # this request alone failed in the engine (NaN logits)
+                    yield {"request_id": out.request_id, "error": {"status_code": 500, "message": out.error}}
+                    return
                 emitted.append(time.time())
                 if len(emitted) == 2 and not req.resume_output_token_ids:  # the first token: TTFT counts now
                     self.ttfts.append((emitted[1], emitted[1] - emitted[0]))
@@ -233,8 +236,11 @@ class EngineServerDeployment:
         return {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k != "reported_at_s"}
 
     def check_health(self) -> None:
-        if not self.server.aengine.healthy:
-            raise RuntimeError(f"{self.server.pool} engine loop is dead")
+        """Serve's health check: fails if the engine loop died or stalled with requests waiting
+        (``stall_timeout_s``). A replica frozen whole (SIGSTOP) never answers: Serve's
+        ``health_check_timeout_s`` catches that one."""
+        limit = self.server.config.stall_timeout_s
+        self.server.aengine.check(limit if self.server.engine.scheduler.stats.steps else 10 * limit)
 
     def __del__(self) -> None:
         server = getattr(self, "server", None)

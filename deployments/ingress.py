@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app import paths
 from app.api import errors
-from app.api.keys import ApiKeys, split_list
+from app.api.keys import ApiKeys, digest, split_list
 from app.api.prompt import chat_prompt
 from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -40,7 +40,7 @@ from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.health import report as health_report
-from deployments.http_errors import install_error_handlers
+from deployments.http_errors import install_error_handlers, install_header_limit
 from deployments.pool_gate import GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -52,20 +52,31 @@ logger = logging.getLogger("ray.serve")
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 REQUEUE_ATTEMPTS = 3
 async def _rest(stream, first: dict) -> AsyncIterator[dict]:
-    """The first item (already received) followed by the rest of the stream."""
+    """The first item (already received) followed by the rest of the stream; an engine error
+    item (this request failed in the engine) raises its OpenAI error."""
     yield first
     if first["finished"]:
         return
     async for item in stream:
+        if "error" in item:
+            raise _engine_error(item["error"])
         yield item
         if item["finished"]:
             return
+
+
+def _engine_error(error: dict) -> errors.APIError:
+    """The engine's refusal (400: the prompt and max_tokens do not fit its KV) or failure (500)."""
+    if error.get("status_code", 400) == 400:
+        return errors.bad_request(error["message"], param="max_tokens", code="context_length_exceeded")
+    return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")
 
 
 app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output-length prediction.")
 
 
 install_error_handlers(app)
+install_header_limit(app, lambda: getattr(app.state, "max_header_bytes", None))  # set by Ingress.__init__
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
@@ -87,6 +98,7 @@ class Ingress:
         # NOTE: `foreserve serve` hands the replicas digests of its FORESERVE_API_KEYS, never the keys
         self.api_keys = ApiKeys(self.config.ingress.api_keys + split_list(os.environ.get("FORESERVE_API_KEYS")),
                                 split_list(os.environ.get("FORESERVE_API_KEY_SHA256")))
+        app.state.max_header_bytes = self.config.ingress.max_header_bytes
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
         # NOTE: files and batches live in the store every node sees: any replica answers for any of them
@@ -127,7 +139,7 @@ class Ingress:
     # -- OpenAI Files and Batch API (app/batch/api.py: batches are foreserve batch jobs) ----------
     @app.post("/v1/files")
     async def create_file(self, request: Request) -> dict:
-        self._authorize(request)
+        owner = self._authorize(request)
         limit = self.config.ingress.max_file_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -140,52 +152,56 @@ class Ingress:
         if upload is None or isinstance(upload, str):
             raise errors.bad_request("Missing the `file` part.", param="file")
         content = await upload.read()
-        file = await asyncio.to_thread(self.batches.add_file, upload.filename or "", content, str(form.get("purpose", "")))
+        file = await asyncio.to_thread(self.batches.add_file, upload.filename or "", content, str(form.get("purpose", "")),
+                                       owner)
         return file.model_dump()
 
     @app.get("/v1/files/{file_id}")
     async def get_file(self, file_id: str, request: Request) -> dict:
-        self._authorize(request)
-        return (await asyncio.to_thread(self.batches.get_file, file_id)).model_dump()
+        owner = self._authorize(request)
+        return (await asyncio.to_thread(self.batches.get_file, file_id, owner)).model_dump()
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(self, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        content = await asyncio.to_thread(self.batches.file_content, file_id)
+        owner = self._authorize(request)
+        content = await asyncio.to_thread(self.batches.file_content, file_id, owner)
         return Response(content, media_type="application/octet-stream")
 
     @app.post("/v1/batches")
     async def create_batch(self, request: Request) -> dict:
-        self._authorize(request)
+        owner = self._authorize(request)
         data = await self._json(request, self.config.ingress.max_body_bytes)
         try:
             body = BatchCreate.model_validate(data)
         except ValidationError as exc:
             raise errors.from_validation_error(exc) from None
-        return (await asyncio.to_thread(self.batches.create, body)).model_dump()
+        return (await asyncio.to_thread(self.batches.create, body, owner)).model_dump()
 
     @app.get("/v1/batches")
     async def list_batches(self, request: Request, limit: int = 20) -> dict:
-        self._authorize(request)
-        return await asyncio.to_thread(self.batches.list, max(1, min(limit, 100)))
+        owner = self._authorize(request)
+        return await asyncio.to_thread(self.batches.list, max(1, min(limit, 100)), owner)
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(self, batch_id: str, request: Request) -> dict:
-        self._authorize(request)
-        return (await asyncio.to_thread(self.batches.get, batch_id)).model_dump()
+        owner = self._authorize(request)
+        return (await asyncio.to_thread(self.batches.get, batch_id, owner)).model_dump()
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(self, batch_id: str, request: Request) -> dict:
-        self._authorize(request)
-        return (await asyncio.to_thread(self.batches.cancel, batch_id)).model_dump()
+        owner = self._authorize(request)
+        return (await asyncio.to_thread(self.batches.cancel, batch_id, owner)).model_dump()
 
     # -- steps -------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> str | None:
+        """The caller's tenant: its key's digest (files and batches are its own); None when the app
+        has no keys (one tenant). 401 for anything but an accepted bearer key."""
         if not self.api_keys:
-            return
+            return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not self.api_keys.accepts(key.strip()):
             raise errors.unauthorized()
+        return digest(key.strip())
 
     async def _body(self, request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length", "")
@@ -322,7 +338,7 @@ class Ingress:
             logger.exception("%s pool failed before the first token", pool)
             raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
         if "error" in first:
-            raise errors.bad_request(first["error"]["message"], param="max_tokens", code="context_length_exceeded")
+            raise _engine_error(first["error"])
         return first
 
     async def _answer(self, request: GenerateRequest, pool: str, stream, result: ChatResult) -> AsyncIterator[dict]:

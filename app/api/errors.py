@@ -54,3 +54,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     message = first.get("msg", "invalid request")
     message = message.removeprefix("Value error, ")
     return bad_request(f"{message}" + (f" (at {param})" if param else ""), param=param)
+
+
+def server_error(message: str) -> APIError:
+    """500: this request failed inside the engine (the others go on); retrying it may succeed."""
+    return APIError(500, message, type="server_error", code="generation_failed")

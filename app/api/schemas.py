@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send many); values we cannot honour (n > 1,
 non-text content, tools, JSON mode, logprobs, logit bias, penalties) are rejected with a clear
-message rather than silently ignored.
+message rather than silently ignored. Types are strict, as OpenAI's API: ``"stream": "yes"``,
+``"max_tokens": "12"`` or ``"n": true`` are a 400 naming the field, not coerced.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ TIER_TO_POOL = {None: "online", "auto": "online", "default": "online", "priority
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -47,7 +48,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool = False
 
@@ -55,7 +56,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` body."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, description="Served model id (see GET /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far; at least one message.")

@@ -14,6 +14,10 @@ output prefix's URI, and reads and writes them through the store itself. A batch
 from Ray and the job's own progress each time it is asked for, so nothing here can drift from what
 the job did. The output file (one line per input line, errors included) gets a file id once the
 job has finished.
+
+Every record names its ``owner``: the digest of the API key that created it (the batch's, for its
+output file). A caller sees only its own: another key's file or batch is a 404, as if it did not
+exist, and ``list`` leaves it out. Without API keys (owner None) the store is one tenant.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.api import errors
 from app.batch import jobs
@@ -46,6 +50,8 @@ class FileObject(BaseModel):
 
 
 class BatchCreate(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     input_file_id: str
     endpoint: str = Field(description=f"only {CHAT_URL}")
     completion_window: str = "24h"
@@ -110,7 +116,7 @@ class BatchStore:
         self.store.put(key, json.dumps(record, indent=1).encode())
 
     # -- files -----------------------------------------------------------------------------
-    def add_file(self, filename: str, content: bytes, purpose: str) -> FileObject:
+    def add_file(self, filename: str, content: bytes, purpose: str, owner: str | None = None) -> FileObject:
         if purpose != "batch":
             raise errors.bad_request(f"purpose must be 'batch' (got {purpose!r})", param="purpose")
         if not content.strip():
@@ -119,16 +125,19 @@ class BatchStore:
                           filename=filename or "upload.jsonl", purpose=purpose)
         key = f"files/{file.id}.jsonl"
         self.store.put(key, content)  # NOTE: the content first, so every record names content that exists
-        self._put(f"files/{file.id}.json", {**file.model_dump(), "key": key})
+        self._put(f"files/{file.id}.json", {**file.model_dump(), "key": key, "owner": owner})
         return file
 
-    def _file_record(self, file_id: str) -> dict:
+    def _file_record(self, file_id: str, owner: str | None) -> dict:
         if not _plain(file_id):
             raise _no_file(file_id)
-        return self._read(f"files/{file_id}.json", _no_file(file_id))
+        record = self._read(f"files/{file_id}.json", _no_file(file_id))
+        if not _visible(record, owner):
+            raise _no_file(file_id)
+        return record
 
-    def get_file(self, file_id: str) -> FileObject:
-        return FileObject.model_validate(self._file_record(file_id))  # NOTE: the record's `key` is left out
+    def get_file(self, file_id: str, owner: str | None = None) -> FileObject:
+        return FileObject.model_validate(self._file_record(file_id, owner))  # NOTE: `key` and `owner` are left out
 
     def _content_location(self, record: dict) -> str:
         """Where a file's content is: the URI (or local path) of its object."""
@@ -136,31 +145,34 @@ class BatchStore:
             return self.store.child(record["key"]).uri
         return record["path"]  # NOTE: a record from before the store: a local path
 
-    def file_content(self, file_id: str) -> bytes:
+    def file_content(self, file_id: str, owner: str | None = None) -> bytes:
         """A file's content (an upload, or a finished batch's output); 404 if there is none."""
-        record = self._file_record(file_id)
+        record = self._file_record(file_id, owner)
         try:
             return self.store.get(record["key"]) if "key" in record else Path(record["path"]).read_bytes()
         except FileNotFoundError:
             raise _no_file(file_id) from None
 
     # -- batches ---------------------------------------------------------------------------
-    def _record(self, batch_id: str) -> dict:
+    def _record(self, batch_id: str, owner: str | None) -> dict:
         missing = errors.APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
         if not _plain(batch_id):
             raise missing
-        return self._read(f"{batch_id}.json", missing)
+        record = self._read(f"{batch_id}.json", missing)
+        if not _visible(record, owner):
+            raise missing
+        return record
 
     def output_uri(self, batch_id: str) -> str:
         """Where batch ``batch_id``'s job writes its output (a local path or a store URI)."""
         return self.store.child(batch_id).uri
 
-    def create(self, request: BatchCreate) -> Batch:
+    def create(self, request: BatchCreate, owner: str | None = None) -> Batch:
         if request.endpoint != CHAT_URL:
             raise errors.bad_request(f"Only {CHAT_URL} is supported as a batch endpoint.", param="endpoint")
         if request.completion_window != "24h":
             raise errors.bad_request("completion_window must be '24h'.", param="completion_window")
-        source = self._content_location(self._file_record(request.input_file_id))
+        source = self._content_location(self._file_record(request.input_file_id, owner))
         now_ns = time.time_ns()
         now = now_ns // 1_000_000_000
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=request.endpoint, input_file_id=request.input_file_id,
@@ -174,7 +186,7 @@ class BatchStore:
         except jobs.JobError as exc:
             raise errors.unavailable(f"The batch job could not be submitted: {exc}") from None
         # NOTE: created_ns orders batches created within the same second (list)
-        self._put(f"{batch.id}.json", {**batch.model_dump(), "created_ns": now_ns})
+        self._put(f"{batch.id}.json", {**batch.model_dump(), "created_ns": now_ns, "owner": owner})
         return batch
 
     def _report(self, batch_id: str) -> dict:
@@ -188,11 +200,11 @@ class BatchStore:
             message = "the batch's Ray job is gone (the cluster restarted before it finished); create the batch again"
             return {**report, "ray_status": "SUCCEEDED" if finished else "FAILED", "message": message}
 
-    def get(self, batch_id: str) -> Batch:
-        batch = Batch.model_validate(self._record(batch_id))
-        return self._with_state(batch, self._report(batch_id))
+    def get(self, batch_id: str, owner: str | None = None) -> Batch:
+        record = self._record(batch_id, owner)
+        return self._with_state(Batch.model_validate(record), self._report(batch_id), record.get("owner"))
 
-    def _with_state(self, batch: Batch, report: dict) -> Batch:
+    def _with_state(self, batch: Batch, report: dict, owner: str | None) -> Batch:
         state = report["ray_status"]
         batch.request_counts = RequestCounts(total=report.get("rows_total", 0), failed=report.get("rows_failed", 0),
                                              completed=report.get("rows_done", 0) - report.get("rows_failed", 0))
@@ -200,7 +212,7 @@ class BatchStore:
         ended = _int(report.get("finished_at")) or int(time.time())
         if state == "SUCCEEDED":
             batch.status, batch.completed_at = "completed", ended
-            batch.output_file_id = self._output_file(batch.id)
+            batch.output_file_id = self._output_file(batch.id, owner)
         elif state == "FAILED":
             batch.status, batch.failed_at = "failed", ended
             batch.errors = {"object": "list", "data": [{"code": "job_failed", "message": report.get("message")}]}
@@ -213,8 +225,9 @@ class BatchStore:
             batch.status = "finalizing" if done else "in_progress"
         return batch
 
-    def _output_file(self, batch_id: str) -> str | None:
-        """The output file's id, its record put on first ask; None while there are no results."""
+    def _output_file(self, batch_id: str, owner: str | None) -> str | None:
+        """The output file's id, its record (the batch's owner's) put on first ask; None while there
+        are no results."""
         file_id = f"file-{batch_id}-output"
         if not self.store.exists(f"files/{file_id}.json"):
             key = f"{batch_id}/{RESULTS}"
@@ -224,36 +237,45 @@ class BatchStore:
                 return None
             file = FileObject(id=file_id, bytes=size, created_at=int(time.time()),
                               filename=f"{batch_id}_output.jsonl", purpose="batch_output")
-            self._put(f"files/{file_id}.json", {**file.model_dump(), "key": key})  # NOTE: any replica may: same record
+            self._put(f"files/{file_id}.json", {**file.model_dump(), "key": key, "owner": owner})  # NOTE: any replica may: same record
         return file_id
 
-    def cancel(self, batch_id: str) -> Batch:
-        record = self._record(batch_id)
-        batch = self.get(batch_id)
+    def cancel(self, batch_id: str, owner: str | None = None) -> Batch:
+        record = self._record(batch_id, owner)
+        batch = self.get(batch_id, owner)
         if batch.status in ("completed", "failed", "cancelled", "expired"):
             raise errors.APIError(409, f"Batch {batch_id} is already {batch.status}.", code="batch_not_cancellable")
         jobs.stop(batch_id, self.jobs())
         record["cancelling_at"] = int(time.time())
         self._put(f"{batch_id}.json", record)
-        return self.get(batch_id)
+        return self.get(batch_id, owner)
 
-    def list(self, limit: int = 20) -> dict:
-        """The newest ``limit`` batches first, by ``created_at`` in their records."""
+    def list(self, limit: int = 20, owner: str | None = None) -> dict:
+        """The owner's newest ``limit`` batches first, by ``created_at`` in their records."""
         keys = [k for k in self.store.keys() if "/" not in k and k.startswith("batch_") and k.endswith(".json")]
         records = []
         for key in keys:
             try:
-                records.append(json.loads(self.store.get(key)))
+                record = json.loads(self.store.get(key))
             except FileNotFoundError:
                 continue
+            if _visible(record, owner):
+                records.append(record)
         records.sort(key=lambda r: (r["created_at"], r.get("created_ns", 0), r["id"]), reverse=True)
-        data = [self._with_state(Batch.model_validate(r), self._report(r["id"])).model_dump() for r in records[:limit]]
+        data = [self._with_state(Batch.model_validate(r), self._report(r["id"]), r.get("owner")).model_dump()
+                for r in records[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
 
 
 def _no_file(file_id: str) -> errors.APIError:
     return errors.APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+
+
+def _visible(record: dict, owner: str | None) -> bool:
+    """Whether a caller whose tenant is ``owner`` may see ``record``. Without authentication (None)
+    the store is one tenant; a record from before tenants (no owner) is everyone's."""
+    return owner is None or record.get("owner") in (None, owner)
 
 
 def _plain(name: str) -> bool:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop crashed; the replica must be restarted."""
 
 
+class EngineStalledError(RuntimeError):
+    """The engine loop is alive but has finished no step for too long while it has requests."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -35,12 +40,23 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None
+        self._progress_s = time.monotonic()  # when the loop last finished a step or found nothing to do
         self._thread = threading.Thread(target=self._run, name="foreserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def check(self, stall_s: float) -> None:
+        """Raise if the loop died, or if it has had requests but finished no step for ``stall_s``
+        seconds (a hung forward or a deadlock: alive, answering pings, serving nothing)."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine loop is dead: {self.error!r}")
+        waited = time.monotonic() - self._progress_s
+        if waited > stall_s and (self.engine.has_unfinished_requests() or not self._inbox.empty()):
+            raise EngineStalledError(f"engine loop alive but no step finished in {waited:.0f} s with requests waiting "
+                                     f"(limit {stall_s:g} s)")
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (a fresh request id is given if it has none).
@@ -119,11 +135,14 @@ class AsyncLLMEngine:
             while not self._stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self._progress_s = time.monotonic()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    self._progress_s = time.monotonic()
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                self._progress_s = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop crashed")
             self.error = exc

@@ -223,7 +223,23 @@ class LLMEngine:
             self._trace.write(self.clock(), sched_out, result.step_s, self.scheduler, self.pool)
         touched = self.scheduler.update(sched_out, result)
         self.output_tokens += len(touched)
-        return [self._output(req) for req in touched]
+        outputs = [self._output(req) for req in touched]
+        failed = [rid for rid, token in result.sampled_token_ids.items() if token is None]
+        return outputs + [out for rid in failed if (out := self._fail(rid)) is not None]
+
+    def _fail(self, request_id: str) -> RequestOutput | None:
+        """End a request whose row the runner could not sample (NaN or infinite logits): it alone
+        fails, with an error its caller sees; the step's other requests go on."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None  # aborted while the step ran
+        logger.error("request %s failed: its logits could not be sampled (NaN or infinite); the others go on", request_id)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._detok.pop(request_id, None)
+        return RequestOutput(request_id=request_id, new_token_ids=[], text_delta="", finished=True,
+                             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens,
+                             error="the model produced invalid values (NaN or infinite logits) for this request")
 
     def _end_status(self, req: Request, hit_stop: bool) -> RequestStatus | None:
         """The one place a request's end is decided, after each new token: a stop string or EOS

@@ -33,7 +33,9 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # request_id -> next token, for chunks with sample=True
+    # request_id -> next token, for chunks with sample=True; None: the row could not be sampled (NaN
+    # logits), so that request fails and the others go on
+    sampled_token_ids: dict[str, int | None]
     step_s: float  # measured (real runner) or modelled (simulated runner) time of the step
 
 
@@ -48,3 +50,4 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # the request failed (finish_reason "error"): why

@@ -85,10 +85,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stopped"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "aborted"
+    FINISHED_ERROR = "error"  # the runner could not sample it (NaN logits): it alone fails
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
     @property
     def queued(self) -> bool:
@@ -97,7 +99,7 @@ class RequestStatus(enum.Enum):
 
 # The OpenAI word for each way a request ends.
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                  RequestStatus.FINISHED_ABORTED: "abort"}
+                  RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 @dataclass(eq=False)

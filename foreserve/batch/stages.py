@@ -138,7 +138,10 @@ class EngineStage:
             for out in self.engine.step():
                 row, bound, texts = rows[out.request_id]
                 texts.append(out.text_delta)
-                if out.finished:
+                if out.error is not None:  # this row alone failed (NaN logits): an error line, the others go on
+                    row.error = f"line {row.line}: {out.error}"
+                    results.append(error_row(row))
+                elif out.finished:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
                                            out.num_output_tokens, out.finish_reason)
                     results.append(ok_row(row, body, bound))

@@ -20,6 +20,7 @@ from app.config import DEFAULT_CONFIG_PATH
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 KEY = "sk-test-key"
+KEY_B = "sk-other-tenant"
 SUMS = [f"What is {a} plus {b}? Reply with the number only." for a, b in
         [(2, 3), (7, 8), (10, 5), (4, 4), (6, 9), (12, 1), (3, 3), (9, 9), (5, 6), (8, 2), (11, 4), (13, 7), (1, 9), (6, 6)]]
 
@@ -28,7 +29,7 @@ def _config(tmp: Path) -> Path:
     data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     entry = data["applications"][0]
     args = entry["args"]
-    args["ingress"].update(api_keys=[KEY], max_body_bytes=64 * 1024)
+    args["ingress"].update(api_keys=[KEY, KEY_B], max_body_bytes=64 * 1024)
     for pool in ("online", "offline"):  # online's pool is smaller than the context: the engine's own 400
         args["pools"][pool].update(kv_cache_tokens=1536 if pool == "online" else 2048, torch_threads=1)
     args["predictor"].update(poll_s=1, timeout_ms=5000)
@@ -69,10 +70,10 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         mp.undo()
 
 
-def _client(served):
+def _client(served, key: str = KEY):
     from openai import OpenAI
 
-    return OpenAI(base_url=served["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return OpenAI(base_url=served["url"] + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _handle(name: str):
@@ -132,6 +133,8 @@ BAD = [  # (what, body or raw bytes, status, param)
     ("kv pool too small", {"max_tokens": 1600}, 400, "max_tokens"),
     ("json nested too deep", b"[" * 5000, 400, None),
     ("seed past int64", {"seed": 2**64}, 400, "seed"),
+    ("stream as a string", {"stream": "yes"}, 400, "stream"),
+    ("max_tokens as a string", {"max_tokens": "12"}, 400, "max_tokens"),
 ]
 
 
@@ -158,6 +161,33 @@ def test_api_keys_and_unknown_routes(served):
     assert httpx.get(url + "/v1/chat/completions").status_code == 405
     bad_query = httpx.get(url + "/v1/batches?limit=abc", headers={"Authorization": f"Bearer {KEY}"})
     assert bad_query.status_code == 400 and bad_query.json()["error"]["param"] == "limit"
+
+
+ROUTES = [("POST", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"), ("POST", "/v1/batches"),
+          ("GET", "/v1/batches"), ("GET", "/v1/batches/batch_x"), ("POST", "/v1/batches/batch_x/cancel"),
+          ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", f"Basic {KEY}",
+                                  f"Bearer {KEY.upper()}", f"Bearer {KEY} {KEY_B}"])
+def test_near_miss_keys_are_401_and_path_tricks_find_nothing(served, auth):
+    headers = {} if auth is None else {"Authorization": auth}
+    for method, path in ROUTES:
+        r = httpx.request(method, served["url"] + path, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.status_code)
+    for method, path in [("GET", "//v1/batches"), ("GET", "/v1//files/file-x"), ("GET", "/v1/batches%2Fbatch_x"), ("GET", "/v1/batches/..%2Fbatch_x"),
+                         ("GET", "/v1/files/%2E%2E%2Ffile-x/content")]:
+        r = httpx.request(method, served["url"] + path, headers=headers, timeout=30)
+        assert r.status_code in (401, 404), (method, path, r.status_code)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_huge_header_is_431_and_the_service_stays_up(served):
+    headers = {"Authorization": f"Bearer {KEY}", "X-Padding": "a" * (1 << 20)}
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(served["url"] + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+    assert httpx.get(served["url"] + "/health", timeout=30).json()["status"] == "ok"
 
 
 def test_extreme_sampling_values_do_not_crash_the_engine(served):
@@ -282,6 +312,16 @@ def test_batch_api_through_the_openai_client(served):
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
 
+    other = _client(served, KEY_B)  # another tenant: none of it exists
+    for call, arg in ((other.files.retrieve, file.id), (other.files.content, file.id), (other.batches.retrieve, batch.id),
+                      (other.files.content, batch.output_file_id), (other.batches.cancel, batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call(arg)
+    assert other.batches.list().data == []
+    with pytest.raises(openai.NotFoundError):
+        other.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert [b.id for b in client.batches.list().data] == [batch.id]
+
 
 def test_a_killed_replica_is_replaced(served):
     import ray
@@ -302,3 +342,31 @@ def test_a_killed_replica_is_replaced(served):
             statuses.append(getattr(exc, "status_code", None))
             time.sleep(1)
     assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
+
+
+def test_a_frozen_replica_is_replaced_and_its_request_answered(served):
+    """A replica frozen whole (SIGSTOP: alive to the OS, answering nothing) fails Serve's health
+    check within health_check_timeout_s, is replaced, and the request sent to it is answered there."""
+    import os
+    import signal
+
+    import ray
+    from ray.util.state import list_actors
+
+    replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "#online#" in a["name"] and a["name"].startswith("SERVE_REPLICA"))
+    [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+               if a.name == replica["name"]]
+    os.kill(actor.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        reply = _client(served).with_options(timeout=150).chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": SUMS[3]}], max_tokens=8)
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.kill(actor.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert reply.choices[0].message.content and took < 120, took
+    print(f"a request sent to a frozen replica was answered in {took:.1f} s")

@@ -57,6 +57,15 @@ def test_defaults_tiers_and_text():
     ({**OK, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     ({"messages": OK["messages"]}, "model", "required"),
+    # strict types, as OpenAI's API: no coercion of strings, numbers or ints to booleans
+    ({**OK, "stream": "yes"}, "stream", "valid boolean"),
+    ({**OK, "stream": 1}, "stream", "valid boolean"),
+    ({**OK, "max_tokens": "12"}, "max_tokens", "valid integer"),
+    ({**OK, "max_tokens": 12.5}, "max_tokens", "valid integer"),
+    ({**OK, "temperature": "0.5"}, "temperature", "valid number"),
+    ({**OK, "n": True}, "n", "valid integer"),
+    ({**OK, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage", "valid boolean"),
+    ({**OK, "model": 7}, "model", "valid string"),
 ])
 def test_bad_input_becomes_a_400_naming_the_field(body, param, fragment):
     err = error_of(body)

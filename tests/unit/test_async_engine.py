@@ -70,3 +70,42 @@ async def test_a_duplicate_id_is_refused_and_the_first_stream_keeps_its_tokens(a
     rest = await asyncio.wait_for(drain(), timeout=30)  # before the fix the refused caller dropped this stream
     assert rest[-1].finished and rest[-1].num_output_tokens == 30
     assert aengine.engine.pool.num_used_blocks == 0
+
+
+async def test_a_loop_that_stops_stepping_with_work_is_reported_stalled():
+    """check_health's question: an engine loop alive but no step finished for ``stall_s`` while it
+    has requests (a hung forward, a deadlock) is unhealthy; an idle loop never is, and a loop that
+    resumes is healthy again."""
+    import threading
+
+    from app.engine.async_engine import EngineStalledError
+
+    release = threading.Event()
+    engine = make_engine("paged", step_s=0.0)
+    inner = engine.runner.execute
+    hang = {"on": False}
+
+    def execute(out):
+        if hang["on"]:
+            release.wait(timeout=30)
+        return inner(out)
+
+    engine.runner.execute = execute
+    aengine = AsyncLLMEngine(engine)
+    try:
+        await asyncio.sleep(0.3)
+        aengine.check(stall_s=0.1)  # idle for 0.3 s: not stalled
+        assert len(await collect(aengine, "a", **request(4, 3))) == 3
+        hang["on"] = True
+        task = asyncio.ensure_future(collect(aengine, "b", **request(4, 3)))
+        await asyncio.sleep(0.4)
+        with pytest.raises(EngineStalledError, match="no step finished"):
+            aengine.check(stall_s=0.2)
+        aengine.check(stall_s=5.0)  # within a longer limit
+        hang["on"] = False
+        release.set()
+        assert len(await task) == 3
+        aengine.check(stall_s=0.2)
+    finally:
+        release.set()
+        aengine.shutdown()

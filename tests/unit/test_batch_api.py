@@ -264,3 +264,29 @@ def test_submit_takes_store_uris_for_input_and_output(object_store: ObjectStore,
         jobs.submit(object_store.child("in", "nope.jsonl").uri, output, "job-2", jobs=client)
     assert len(client.jobs) == 1
     assert jobs.location(tmp_path / "a" / ".." / "b") == str(tmp_path / "b") and jobs.location(output) == output
+
+
+def test_a_tenant_sees_only_its_own_files_and_batches(object_store: ObjectStore, fake_jobs: FakeJobs):
+    """Owners are the callers' key digests: another key's files, contents, batches, cancels and
+    listings are 404 or absent, as if they did not exist; without authentication (owner None) the
+    store is one tenant."""
+    store = BatchStore(object_store)
+    a, b = "a" * 64, "b" * 64
+    file = store.add_file("rows.jsonl", ROWS, "batch", owner=a)
+    batch = store.create(BatchCreate(input_file_id=file.id, endpoint=CHAT), owner=a)
+    assert store.get_file(file.id, owner=a) == file and store.get(batch.id, owner=a).id == batch.id
+    for call, args, code in ((store.get_file, (file.id,), "not_found"), (store.file_content, (file.id,), "not_found"),
+                             (store.get, (batch.id,), "not_found"), (store.cancel, (batch.id,), "not_found")):
+        assert _error(lambda *x: call(*x, owner=b), *args).status_code == 404
+    stolen = _error(lambda: store.create(BatchCreate(input_file_id=file.id, endpoint=CHAT), owner=b))
+    assert (stolen.status_code, stolen.param) == (404, "file_id") and len(fake_jobs.submitted) == 1
+    assert store.list(owner=b)["data"] == [] and [x["id"] for x in store.list(owner=a)["data"]] == [batch.id]
+    assert fake_jobs.stopped == []
+
+    fake_jobs.state[batch.id] = "SUCCEEDED"
+    _finish(fake_jobs.submitted[batch.id]["output"], 2)
+    output_id = store.get(batch.id, owner=a).output_file_id
+    assert store.file_content(output_id, owner=a).count(b"\n") == 2
+    assert _error(lambda: store.file_content(output_id, owner=b)).status_code == 404
+    assert "owner" not in store.get(batch.id, owner=a).model_dump() and "owner" not in file.model_dump()
+    assert [x["id"] for x in store.list()["data"]] == [batch.id] and store.get_file(file.id) == file  # no auth: one tenant

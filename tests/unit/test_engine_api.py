@@ -90,3 +90,30 @@ def test_a_given_prediction_travels_whole_and_the_engine_asks_its_predictor_othe
     assert own.prediction.version == engine.predictor.version and own.prediction.bound_tokens >= 30  # the max predictor
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request(EngineRequest(request_id="nothing"))
+
+
+def test_a_request_whose_row_cannot_be_sampled_fails_alone():
+    """The runner's None for one row (NaN logits) ends that request with an error and frees its
+    blocks; the requests in the same steps finish with every token, and the engine goes on."""
+    engine = make_engine("paged", kv_tokens=256)
+    inner = engine.runner.execute
+
+    def poisoned(out):
+        result = inner(out)
+        for c in out.chunks:
+            if c.request_id == "bad" and c.sample and c.num_output_tokens == 3:
+                result.sampled_token_ids[c.request_id] = None
+        return result
+
+    engine.runner.execute = poisoned
+    for rid in ("a", "bad", "c"):
+        add(engine, rid, 10, 8)
+    outputs = run_all(engine)
+    last = outputs["bad"][-1]
+    assert (last.finished, last.finish_reason, last.num_output_tokens, last.new_token_ids) == (True, "error", 3, [])
+    assert "NaN" in last.error and all(o.error is None for o in outputs["bad"][:-1])
+    for rid in ("a", "c"):
+        assert [o.num_output_tokens for o in outputs[rid]] == list(range(1, 9)) and outputs[rid][-1].error is None
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    add(engine, "after", 10, 4)
+    assert run_all(engine)["after"][-1].finish_reason == "length"

@@ -104,8 +104,14 @@ def test_sampler_row_draws_do_not_depend_on_the_rows_beside_it():
     assert alone == [Sampler().sample(logits[:2], ["a", "b"], [plain, nucleus], [n, n])[1] for n in range(30)]
 
 
-def test_sampler_refuses_nan_logits():
-    logits = torch.tensor([[1.0, float("nan"), 0.0]])
-    for params in (_params(seed=1), _params(top_p=0.5, seed=1), _params(top_k=2, seed=1)):
-        with pytest.raises(RuntimeError, match="no finite positive probabilities"):
-            Sampler().sample(logits, ["x"], [params], [0])
+def test_a_poisoned_row_fails_alone():
+    """A row with NaN, +inf or only -inf logits gives None (its request fails); the rows beside it,
+    greedy or drawn, get the tokens they get alone."""
+    good = torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 3.0]])
+    poisons = ([1.0, float("nan"), 0.0], [float("inf"), 0.0, 0.0], [float("-inf")] * 3)
+    for poison in poisons:
+        logits = torch.cat([good[:1], torch.tensor([poison]), good[1:]])
+        for params in (_params(), _params(seed=1), _params(top_p=0.5, seed=1), _params(top_k=2, seed=1)):
+            out = Sampler().sample(logits, ["a", "bad", "c"], [params] * 3, [0] * 3)
+            alone = Sampler().sample(good, ["a", "c"], [params] * 2, [0] * 2)
+            assert out == [alone[0], None, alone[1]], (poison, params)

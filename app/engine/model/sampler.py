@@ -54,18 +54,29 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         num_output_tokens: list[int],
-    ) -> list[int]:
-        """``logits`` is ``[rows, vocab]``; returns one token id per row."""
+    ) -> list[int | None]:
+        """``logits`` is ``[rows, vocab]``; returns one token id per row, or None for a row that
+        cannot be sampled (NaN or +inf logits, or only -inf): that row's request fails, the rows
+        beside it get the tokens they would get alone."""
         tokens = logits.argmax(dim=-1)  # NOTE: one op for every greedy row (all of them, usually)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        ok = torch.isfinite(logits.amax(dim=-1))  # NOTE: a row's max is NaN if any logit is, inf if any is
+        bad = set() if bool(ok.all()) else set((~ok).nonzero().flatten().tolist())
+        random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in bad]
         if not random_rows:
-            return tokens.tolist()
+            return _without(tokens.tolist(), bad)
         idx = torch.tensor(random_rows, device=logits.device)
         # NOTE: random rows are drawn on the CPU with per-request CPU generators: the same seed
         # gives the same tokens whatever the runner's device and whatever rows share the step.
         sub = logits.index_select(0, idx).float().cpu()
         temps = torch.tensor([params[i].temperature for i in random_rows], dtype=sub.dtype, device="cpu")
         sub = sub / temps[:, None]
+        scaled_ok = torch.isfinite(sub.amax(dim=-1))
+        if not bool(scaled_ok.all()):  # a temperature small enough to overflow the row
+            bad |= {random_rows[r] for r in (~scaled_ok).nonzero().flatten().tolist()}
+            keep = scaled_ok.nonzero().flatten()
+            sub, random_rows = sub[keep], [random_rows[r] for r in keep.tolist()]
+            if not random_rows:
+                return _without(tokens.tolist(), bad)
         uniform = torch.cat([
             torch.rand(1, generator=self._generator(request_ids[i], params[i], num_output_tokens[i]))
             for i in random_rows
@@ -85,7 +96,7 @@ class Sampler:
         out = tokens.tolist()
         for row, i in enumerate(random_rows):
             out[i] = int(picks[row])
-        return out
+        return _without(out, bad)
 
     @staticmethod
     def _sample_filtered(logits: torch.Tensor, top_ks: list[int], top_ps: list[float], uniform: torch.Tensor) -> torch.Tensor:
@@ -130,6 +141,11 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
         ps = torch.tensor(top_ps, dtype=logits.dtype, device=device)
         return _apply_top_p(torch.softmax(sorted_logits, dim=-1), ps, ranks), order
+
+
+def _without(tokens: list[int], bad: set[int]) -> list[int | None]:
+    """``tokens`` with the rows in ``bad`` replaced by None."""
+    return [None if i in bad else t for i, t in enumerate(tokens)] if bad else tokens
 
 
 def _apply_top_p(probs: torch.Tensor, ps: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -250,7 +250,10 @@ class Scheduler:
             req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            req.output_token_ids.append(result.sampled_token_ids[chunk.request_id])
+            token = result.sampled_token_ids[chunk.request_id]
+            if token is None:
+                continue  # a row the runner could not sample: the engine ends this request
+            req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
             touched.append(req)
