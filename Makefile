@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp plan calibrate-service loadtest loadtest-ab clean
+.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -139,6 +139,10 @@ loadtest-ab: prepare
 	$(VENV)/bin/foreserve loadtest stub-check --rate 0.3 --factor 5 --duration 60 --report reports/loadtest_stub
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest ab --rates 0.2,0.3 --duration 90 --drain-s 300 --tpot-slo-ms 300 \
 		--report reports/loadtest_ab
+
+# Faults under load against a service it starts (docs/chaos.md); exit status 1 if a request hung or broke
+chaos: prepare
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve chaos --report reports/chaos
 
 clean:
 	rm -rf $(VENV) reports

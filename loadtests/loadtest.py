@@ -80,13 +80,13 @@ def get_json(url: str, timeout_s: float = 10) -> dict | None:
 class Service:
     """``foreserve serve`` in its own process group on a free port; ``stop()`` takes it all down."""
 
-    def __init__(self, config: Path | None, log_path: Path, timeout_s: float = 300) -> None:
+    def __init__(self, config: Path | None, log_path: Path, timeout_s: float = 300, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "foreserve.cli.main", "serve", "--port", str(self.port), "--no-prepare"]
         if config:
             cmd += ["--config", str(config)]
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

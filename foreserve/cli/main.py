@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from foreserve.cli import batch, bench, loadtest, plan, predictor, prepare, serve
+from foreserve.cli import batch, bench, chaos, loadtest, plan, predictor, prepare, serve
 from app.runtime_env import process_defaults
 
-GROUPS = (prepare, serve, bench, predictor, batch, plan, loadtest)
+GROUPS = (prepare, serve, bench, predictor, batch, plan, loadtest, chaos)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,56 @@
+"""The service's processes on this machine, by role, from ``/proc``: Ray names its actors' processes
+``ray::ServeReplica:<app>:<deployment>`` and ``ray::ProxyActor``. Used to inject faults (signals)
+and to read memory (RSS) before and after each scenario."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+ROLES = ("ingress", "online", "offline", "predictor", "proxy")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def pids(role: str, app: str = "foreserve") -> list[int]:
+    """Live processes of ``role`` (a deployment of ``app``, or ``proxy``)."""
+    want = "ray::ProxyActor" if role == "proxy" else f"ray::ServeReplica:{app}:{role}"
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _cmdline(int(entry)).startswith(want):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def memory(app: str = "foreserve") -> dict[str, float]:
+    """Summed RSS in MB of each role's processes."""
+    return {role: round(sum(rss_mb(p) or 0.0 for p in pids(role, app)), 1) for role in ROLES}
+
+
+def signal_role(role: str, sig: signal.Signals, app: str = "foreserve") -> list[int]:
+    """Send ``sig`` to every process of ``role``; returns their pids (raises if there is none)."""
+    targets = pids(role, app)
+    if not targets:
+        raise RuntimeError(f"no {role} process of {app!r} on this machine (is the service local?)")
+    for pid in targets:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return targets

@@ -1,0 +1,125 @@
+"""``foreserve chaos``: faults injected into a live service under load, and what each one cost.
+
+Starts the service (``foreserve serve`` on a free port, with two API keys) or takes ``--host``, then
+runs each scenario in turn and writes ``summary.json`` and ``report.html``: per scenario the fault,
+requests sent, answered in full, ended with a clean OpenAI-shaped error, hung (must be 0), broken (a
+reset or a truncated stream without an error), seconds to the first answered request that started
+after the fault, seconds until ``/health`` said ``ok`` again, and the RSS of the ingress, proxy and
+replicas before and after. Load scenarios drive Locust (``loadtests/locustfile.py``, streaming, both
+tiers); the others are their own clients (``loadtests/chaos/probes.py``). Faults by signal need the
+service on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from loadtests.chaos import probes, procs
+from loadtests.chaos.score import score
+from loadtests.loadtest import LoadSpec, Service, build_workload, get_json, run_locust, served_model
+from loadtests.summary import SLO, read_records
+
+KEYS = ("chaos-key-a", "chaos-key-b")
+FAULTS = {
+    "engine_kill": "SIGKILL the online engine replica with streams open",
+    "engine_freeze": "SIGSTOP the online engine replica (alive, answering nothing)",
+    "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
+    "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
+    "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
+}
+SIGNALS = {"engine_kill": signal.SIGKILL, "engine_freeze": signal.SIGSTOP}
+
+
+def health_status(url: str) -> str | None:
+    return (get_json(f"{url}/health", 10) or {}).get("status")
+
+
+def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
+    """Seconds until ``/health`` says ``status`` again, the one it said before the fault (``ok``; or
+    ``degraded`` on a service with no champion predictor yet); None if not within ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if health_status(url) == status:
+            return round(time.monotonic() - t0, 1)
+        time.sleep(1)
+    return None
+
+
+def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
+                  status: str | None) -> dict:
+    """Locust at ``rate`` for ``duration_s`` (80% online, 20% flex), the fault at ``inject_s``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "requests.jsonl").unlink(missing_ok=True)
+    spec = LoadSpec(stages=f"steady:{duration_s:g}:{rate:g}", tier_mix={"online": 0.8, "flex": 0.2}, max_tokens=64,
+                    slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=20000, tpot_ms=2500)},
+                    drain_s=120)
+    build_workload(spec, out / "workload.jsonl")
+    locust = threading.Thread(target=run_locust, args=(spec, url, out, out / "workload.jsonl", key), daemon=True)
+    locust.start()
+    time.sleep(inject_s)
+    fault_at = time.time()
+    hit = procs.signal_role("online", SIGNALS[name])
+    if name == "engine_freeze":  # Serve replaces it; let the frozen process go once it has
+        threading.Timer(90, lambda: [_cont(p) for p in hit]).start()
+    ok_s = wait_health(url, status, 180)
+    locust.join()
+    row = score(read_records(out / "requests.jsonl"), fault_at)
+    return {**row, "pids_hit": hit, "health_ok_after_s": ok_s}
+
+
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
+              rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200) -> dict:
+    unknown = [s for s in scenarios if s not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
+    report.mkdir(parents=True, exist_ok=True)
+    service = None
+    if host is None:
+        service = Service(config, report / "service.log", env={"FORESERVE_API_KEYS": ",".join(KEYS)})
+    url, key = host or service.url, os.environ.get("FORESERVE_API_KEY", KEYS[0]) if host else KEYS[0]
+    rows = []
+    try:
+        model = served_model(url)
+        for name in scenarios:
+            print(f"chaos: {name}: {FAULTS[name]}", flush=True)
+            before, status, t0 = procs.memory(), health_status(url), time.monotonic()
+            if name in SIGNALS:
+                row = load_scenario(name, url, report / name, key, rate, duration_s, inject_s, status)
+            elif name == "disconnect_storm":
+                row = probes.disconnect_storm(url, key, model, streams=storm_streams)
+            elif name == "hostile_input":
+                row = probes.hostile_input(url, key, model)
+            else:
+                row = probes.tenants(url, key, os.environ.get("FORESERVE_API_KEY_B", KEYS[1]) if host else KEYS[1])
+            row.setdefault("health_ok_after_s", wait_health(url, status, 180))
+            row["health_before"] = status
+            rows.append({"scenario": name, "fault": FAULTS[name], **row, "took_s": round(time.monotonic() - t0, 1),
+                         "memory_mb_before": before, "memory_mb_after": procs.memory()})
+            print(f"chaos: {name}: {_line(rows[-1])}", flush=True)
+    finally:
+        if service is not None:
+            service.stop()
+    summary = {"host": host or "started", "rate": rate, "duration_s": duration_s, "inject_s": inject_s,
+               "scenarios": rows, "hung": sum(r["hung"] for r in rows), "broken": sum(r["broken"] for r in rows)}
+    (report / "summary.json").write_text(json.dumps(summary, indent=2))
+    from loadtests.chaos.report import write_html
+
+    write_html(report / "report.html", summary)
+    return summary
+
+
+def _line(row: dict) -> str:
+    return (f"sent {row['sent']}, answered {row['answered']}, clean errors {row['clean_error']}, hung {row['hung']}, "
+            f"broken {row['broken']}, recovery {row.get('recovery_s')} s, health ok after {row.get('health_ok_after_s')} s")

@@ -1,0 +1,36 @@
+"""One scenario's row of the chaos summary, from the load test's per-request records
+(``loadtests/locustfile.py``: status, error, start, e2e_ms, output_tokens, max_tokens)."""
+
+from __future__ import annotations
+
+HUNG = "not finished within the drain"
+CLEAN_MARKERS = ('"error"', "in-band error")  # an OpenAI error body, or an error chunk before [DONE]
+
+
+def classify(record: dict) -> str:
+    """``answered`` (every token asked for), ``clean_error`` (a status code with OpenAI's error body,
+    or an error chunk then [DONE]), ``hung`` (still open when the drain ended) or ``broken`` (a
+    reset, a truncated stream, a body that is not OpenAI's error)."""
+    error = record.get("error")
+    if not error:
+        return "answered" if record.get("output_tokens", 0) >= record.get("max_tokens", 0) else "broken"
+    if error == HUNG:
+        return "hung"
+    if record.get("status", 0) >= 400 and '"error"' in error or error.startswith("in-band error"):
+        return "clean_error"
+    return "broken"
+
+
+def score(records: list[dict], fault_at: float | None) -> dict:
+    """Counts per class, and after the fault (wall-clock ``fault_at``): the first request that
+    started after it and was answered, in seconds from the fault (None: none was)."""
+    counts = {"sent": len(records), "answered": 0, "clean_error": 0, "hung": 0, "broken": 0}
+    for record in records:
+        counts[classify(record)] += 1
+    recovery = None
+    if fault_at is not None:
+        later = [r["start"] + r["e2e_ms"] / 1000 for r in records
+                 if r["start"] >= fault_at and classify(r) == "answered"]
+        recovery = round(min(later) - fault_at, 1) if later else None
+    examples = sorted({r["error"][:160] for r in records if classify(r) in ("broken", "hung")})[:3]
+    return {**counts, "recovery_s": recovery, "broken_examples": examples}

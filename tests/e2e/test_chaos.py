@@ -1,0 +1,38 @@
+"""``foreserve chaos`` at small size on the real service it starts (two API keys): hostile input,
+tenants, a disconnect storm and an engine killed under load. Nothing may hang or break."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import paths
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.locust, pytest.mark.traces]
+
+
+def test_chaos_small(tmp_path, monkeypatch):
+    from loadtests.chaos.run import run_chaos
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
+    monkeypatch.setenv("FORESERVE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    report = tmp_path / "report"
+    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill"], rate=0.5,
+                        duration_s=16, inject_s=4, storm_streams=40)
+    rows = {r["scenario"]: r for r in summary["scenarios"]}
+    assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(summary, indent=1)[:4000]
+    hostile = rows["hostile_input"]
+    assert hostile["server_errors"] == 0 and hostile["clean_error"] == hostile["sent"]
+    assert hostile["health_after"] == hostile["health_before"]  # degraded here: a fresh home has no champion yet
+    assert rows["tenants"]["tenant_leaks"] == 0 and rows["tenants"]["checks"]["a_sees_own"]
+    storm = rows["disconnect_storm"]
+    assert storm["cut"] + storm["clean_error"] == 40 and storm["settled_after_s"] is not None
+    assert storm["kv_free_after"] == storm["kv_free_before"]
+    kill = rows["engine_kill"]
+    assert kill["sent"] >= 5 and kill["answered"] == kill["sent"] and kill["recovery_s"] is not None
+    assert all(r["health_ok_after_s"] is not None for r in rows.values())
+    assert (report / "summary.json").exists() and "engine_kill" in (report / "report.html").read_text()

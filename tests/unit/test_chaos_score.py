@@ -1,0 +1,29 @@
+"""How ``foreserve chaos`` scores a load scenario's requests (``loadtests/chaos/score.py``)."""
+
+from __future__ import annotations
+
+from loadtests.chaos.score import classify, score
+
+
+def _record(start: float, error: str | None = None, status: int = 200, tokens: int = 8, e2e_ms: float = 1000) -> dict:
+    return {"start": start, "error": error, "status": status, "output_tokens": tokens, "max_tokens": 8, "e2e_ms": e2e_ms}
+
+
+def test_each_request_is_answered_a_clean_error_hung_or_broken():
+    assert classify(_record(0)) == "answered"
+    assert classify(_record(0, tokens=5)) == "broken"  # a stream that stopped short without an error
+    assert classify(_record(0, 'HTTP 503: {"error": {"message": "unavailable"}}', 503)) == "clean_error"
+    assert classify(_record(0, "in-band error: The online pool failed")) == "clean_error"
+    assert classify(_record(0, "not finished within the drain")) == "hung"
+    assert classify(_record(0, "ConnectionResetError: reset by peer", 0)) == "broken"
+    assert classify(_record(0, "HTTP 502: <html>Bad Gateway</html>", 502)) == "broken"  # not OpenAI's shape
+
+
+def test_recovery_is_the_first_answer_to_a_request_sent_after_the_fault():
+    records = [_record(100.0), _record(109.0, "not finished within the drain"), _record(112.0, e2e_ms=9000),
+               _record(115.0, e2e_ms=2000), _record(111.0, "in-band error: x")]
+    row = score(records, fault_at=110.0)
+    assert (row["sent"], row["answered"], row["clean_error"], row["hung"], row["broken"]) == (5, 3, 1, 1, 0)
+    assert row["recovery_s"] == 7.0  # sent at 115 s, answered 2 s later; the one sent at 112 s took 9 s
+    assert score(records[:1], fault_at=110.0)["recovery_s"] is None
+    assert score(records, fault_at=None)["recovery_s"] is None
