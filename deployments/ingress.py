@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -63,6 +64,12 @@ async def _rest(stream, first: dict) -> AsyncIterator[dict]:
         yield item
         if item["finished"]:
             return
+
+
+def _cancel_unstarted(stream, result: ChatResult) -> None:
+    """Cancel ``stream`` if its answer never streamed a byte (its body was dropped unstarted)."""
+    if not result.sent_role:
+        stream.cancel()
 
 
 def _engine_error(error: dict) -> errors.APIError:
@@ -289,7 +296,7 @@ class Ingress:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream_events(self._answer(request, body.pool, stream, result), result, include_usage)
+            events = self._sse(request, body.pool, stream, result, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             async for item in self._answer(request, body.pool, stream, result):
@@ -373,6 +380,15 @@ class Ingress:
         finally:
             if stream is not None:  # the client went away, or the answer failed: stop the engine's work
                 stream.cancel()
+
+    def _sse(self, request: GenerateRequest, pool: str, stream, result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a streamed answer (``_stream_events`` over ``_answer``). A client that
+        goes away between the engine's first item and the first byte leaves the body never started,
+        and a generator never started runs no ``finally``: when it is dropped unstarted, the
+        engine's request is cancelled all the same."""
+        events = self._stream_events(self._answer(request, pool, stream, result), result, include_usage)
+        weakref.finalize(events, _cancel_unstarted, stream, result)
+        return events
 
     async def _stream_events(self, items: AsyncIterator[dict], result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
         try:

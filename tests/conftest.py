@@ -88,6 +88,21 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture
+def home_with_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private data dir like ``home`` with the prepared model linked in, read-only: a service
+    started there serves it."""
+    from app import paths
+
+    model = paths.model_dir()  # NOTE: the prepared one, before FORESERVE_HOME points elsewhere
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / model.name).symlink_to(model)
+    monkeypatch.setenv("FORESERVE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return home
+
+
 @pytest.fixture(scope="session")
 def s3_uri() -> str:
     """The URI of a bucket on a real S3-compatible server process (moto), shared by the session."""

@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from app import paths
-
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray]
 
 
-def test_online_burst_makes_offline_yield_and_come_back(tmp_path, monkeypatch):
+def test_online_burst_makes_offline_yield_and_come_back(tmp_path, home_with_model):
     from loadtests.bench.burst import run
-
-    home = tmp_path / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
-    monkeypatch.setenv("FORESERVE_HOME", str(home))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
     report = run(burst_requests=12, flex_requests=2, late_flex_requests=2, max_tokens=48, ttft_slo_ms=1000, calm_s=3,
                  work_dir=str(tmp_path))
@@ -38,4 +30,4 @@ def test_online_burst_makes_offline_yield_and_come_back(tmp_path, monkeypatch):
     back = [d for d in during if d["pool"] == "offline" and d["desired"] == 1 and d["t_s"] > yields[0]["t_s"]]
     assert back and back[0]["reason"] in ("idle", "backlog")
     # the decision log is in the data dir the app ran with
-    assert (home / "autoscale" / "decisions.jsonl").exists()
+    assert (home_with_model / "autoscale" / "decisions.jsonl").exists()

@@ -7,19 +7,12 @@ import json
 
 import pytest
 
-from app import paths
-
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.locust, pytest.mark.traces]
 
 
-def test_chaos_small(tmp_path, monkeypatch):
+def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
-    home = tmp_path / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
-    monkeypatch.setenv("FORESERVE_HOME", str(home))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     report = tmp_path / "report"
     summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill"], rate=0.5,
                         duration_s=16, inject_s=4, storm_streams=40)

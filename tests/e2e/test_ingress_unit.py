@@ -248,3 +248,41 @@ def test_health_is_degraded_while_the_predictor_serves_without_its_champion(pred
     ingress.pools["offline"] = Handle(stats=stats)
     health = json.loads(asyncio.run(ingress.health()).body)
     assert health["status"] == ("degraded" if problems else "ok") and health["problems"] == problems
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_a_stream_whose_body_is_never_read_still_cancels_the_engine_request():
+    """The client goes away between the engine's first item and the first byte: Starlette drops the
+    response without starting its body, and a generator never started runs no ``finally``. The
+    engine's request must be cancelled anyway; a body read to its end cancels nothing."""
+    import gc
+
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=2))
+
+    def events_of(stream: _Stream):
+        first = asyncio.run(stream.__anext__())
+        result = ChatResult(request.request_id, "m", "online", 0.0, first)
+        return ingress._sse(request, "online", stream, result, False)
+
+    dropped = _Stream([_token_item("Hi", 1, 11), _token_item("!", 2, 12, finished=True)])
+    events = events_of(dropped)
+    del events
+    gc.collect()
+    assert dropped.cancelled
+
+    read = _Stream([_token_item("Hi", 1, 11), _token_item("!", 2, 12, finished=True)])
+    events = events_of(read)
+
+    async def drain(it):
+        return [e async for e in it]
+
+    assert asyncio.run(drain(events))[-1] == "data: [DONE]\n\n"
+    del events
+    gc.collect()
+    assert not read.cancelled
