@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+from app.ray_local import dead_local_cluster
 from app.runtime_env import JOB_ENV, env_vars
 from predictor.object_store import ObjectStore
 
@@ -116,8 +117,17 @@ def client(start: bool = True):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # NOTE: Ray 2.60's default token auth; see README
     explicit = _explicit_dashboard()
     url = explicit or _cluster_dashboard()
+    # NOTE: Ray's current-cluster file naming a cluster that died uncleanly: "auto" would retry its
+    # dead GCS for ~40 s and raise an RpcError; ask its port first (app/ray_local.py)
+    dead = None if url or _address() else dead_local_cluster()
+    if dead is not None:
+        if not start:
+            raise JobError(f"no Ray cluster runs here: the local one at {dead} is gone (its processes died "
+                           "without `ray stop`); `foreserve batch submit` starts a fresh one")
+        print(f"the local Ray cluster at {dead} is gone; starting a fresh one", file=sys.stderr)
     try:
-        return JobSubmissionClient(url or _address() or "auto")
+        if dead is None:
+            return JobSubmissionClient(url or _address() or "auto")
     except (ConnectionError, ValueError, RuntimeError) as exc:
         if url or _address() or not start:
             hint = "" if explicit or not url else (

@@ -57,3 +57,21 @@ def test_a_command_after_a_crashed_cluster_starts_a_fresh_one(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nodes alive: 1" in proc.stdout and "is gone" in proc.stderr and took < 90, (took, proc.stderr[-2000:])
+
+
+def test_batch_commands_after_a_crashed_cluster_say_so_in_seconds(tmp_path):
+    """``foreserve batch status`` with only a dead cluster's file: one line naming it, within
+    seconds, not Ray's GCS timeout and a traceback."""
+    ray_tmp = Path(f"/tmp/fsb-{os.getpid()}")
+    (ray_tmp / "ray").mkdir(parents=True, exist_ok=True)
+    dead = f"127.0.0.1:{_closed_port()}"
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(dead + "\n")
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_AUTH_MODE": "disabled"}
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        env.pop(name, None)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "foreserve.cli.main", "batch", "status", "nosuchjob"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert dead in proc.stderr and "gone" in proc.stderr and took < 20, (took, proc.stderr[-1000:])
