@@ -65,7 +65,9 @@ def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duratio
     fault_at = time.time()
     hit = procs.signal_role("online", SIGNALS[name])
     if name == "engine_freeze":  # Serve replaces it; let the frozen process go once it has
-        threading.Timer(90, lambda: [_cont(p) for p in hit]).start()
+        thaw = threading.Timer(90, lambda: [_cont(p) for p in hit])
+        thaw.daemon = True  # NOTE: never keeps the command alive after the run
+        thaw.start()
     ok_s = wait_health(url, status, 180)
     locust.join()
     row = score(read_records(out / "requests.jsonl"), fault_at)
