@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app import paths
 from app.api import errors
-from app.api.keys import ApiKeys, digest, split_list
+from app.api.keys import ApiKeys, split_list
 from app.api.prompt import chat_prompt
 from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -206,9 +206,10 @@ class Ingress:
         if not self.api_keys:
             return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not self.api_keys.accepts(key.strip()):
+        tenant = self.api_keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
             raise errors.unauthorized()
-        return digest(key.strip())
+        return tenant
 
     async def _body(self, request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length", "")

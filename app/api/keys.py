@@ -32,11 +32,16 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def accepts(self, presented: str) -> bool:
-        """``presented`` is an accepted key. Every digest is compared, each in constant time, so the
-        time taken says nothing about which key or how much of one matched."""
-        candidate = digest(presented).encode()
+    def tenant(self, presented: str) -> str | None:
+        """The digest of ``presented`` if it is an accepted key (the caller's tenant), else None.
+        Every digest is compared, each in constant time, so the time taken says nothing about which
+        key or how much of one matched."""
+        candidate = digest(presented)
         found = False
         for accepted in self._digests:
-            found |= hmac.compare_digest(candidate, accepted.encode())
-        return found
+            found |= hmac.compare_digest(candidate.encode(), accepted.encode())
+        return candidate if found else None
+
+    def accepts(self, presented: str) -> bool:
+        """``presented`` is an accepted key (``tenant``)."""
+        return self.tenant(presented) is not None

@@ -125,15 +125,15 @@ def client(start: bool = True):
             raise JobError(f"no Ray cluster runs here: the local one at {dead} is gone (its processes died "
                            "without `ray stop`); `foreserve batch submit` starts a fresh one")
         print(f"the local Ray cluster at {dead} is gone; starting a fresh one", file=sys.stderr)
-    try:
-        if dead is None:
+    else:
+        try:
             return JobSubmissionClient(url or _address() or "auto")
-    except (ConnectionError, ValueError, RuntimeError) as exc:
-        if url or _address() or not start:
-            hint = "" if explicit or not url else (
-                "; this cluster's dashboard must listen where its nodes reach it: start the head with "
-                "--dashboard-host 0.0.0.0, or set RAY_API_SERVER_ADDRESS=http://HEAD:PORT")
-            raise JobError(f"no Ray Jobs API at {url or _address() or 'this machine'} ({exc}){hint}") from None
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            if url or _address() or not start:
+                hint = "" if explicit or not url else (
+                    "; this cluster's dashboard must listen where its nodes reach it: start the head with "
+                    "--dashboard-host 0.0.0.0, or set RAY_API_SERVER_ADDRESS=http://HEAD:PORT")
+                raise JobError(f"no Ray Jobs API at {url or _address() or 'this machine'} ({exc}){hint}") from None
     args = ["start", "--head", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
     print("starting a local Ray cluster: ray " + " ".join(args), file=sys.stderr)
     proc = subprocess.run(ray_command(*args), capture_output=True, text=True, start_new_session=True)

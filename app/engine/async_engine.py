@@ -135,7 +135,6 @@ class AsyncLLMEngine:
             while not self._stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
-                    self._progress_s = time.monotonic()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     self._progress_s = time.monotonic()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from app.engine.outputs import SchedulerOutput
 
@@ -39,3 +40,18 @@ class StepTrace:
 
     def close(self) -> None:
         self._file.close()
+
+
+def read_steps(paths: list[str | Path]) -> list[dict]:
+    """Every step recorded in these trace files, in order; ValueError naming the file and line of
+    one that is not a step-trace line."""
+    steps = []
+    for path in paths:
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            try:
+                step = json.loads(line)
+                step["forward_s"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a step-trace line ({exc!r})") from None
+            steps.append(step)
+    return steps

@@ -14,13 +14,13 @@ cores. It minimises the median relative error (single traced steps are noisy).
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from app.engine.sim.profiles import MODELS, HardwareProfile
+from app.engine.step_trace import read_steps
 
 CPU_OVERHEAD_S = 2e-3  # per step on CPU: sampling, Python, a torch dispatch per layer and sequence
 
@@ -123,15 +123,7 @@ def calibrate_trace(paths: list[Path], max_steps: int = 4000) -> dict:
 
     Reports the median error over all steps and, per decode batch size, the median measured and
     modelled step time of the pure decode steps."""
-    steps = []
-    for path in paths:
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            try:
-                rec = json.loads(line)
-                if rec.get("chunks") and rec["forward_s"] > 0:
-                    steps.append(rec)
-            except (ValueError, KeyError, AttributeError) as exc:
-                raise ValueError(f"{path}:{number}: not a step-trace line ({exc!r})") from None
+    steps = [rec for rec in read_steps(paths) if rec.get("chunks") and rec["forward_s"] > 0]
     if not steps:
         raise ValueError(f"no traced steps with chunks in {', '.join(map(str, paths))}")
     steps = steps[:: max(1, len(steps) // max_steps)]

@@ -14,14 +14,14 @@ The trace is what the engines write under ``FORESERVE_STEP_TRACE`` (one JSON lin
 from __future__ import annotations
 
 import bisect
-import json
 import statistics
 from pathlib import Path
 
 from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from app.engine.scheduler.online import STEP_BINS as BINS  # the online scheduler's own bins of step sizes
 from app.engine.sim.runner import DUMMY_TOKEN_ID, SimRunner
+from app.engine.step_trace import read_steps
 
-BINS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MIN_STEPS_PER_BIN = 3  # a bin seen fewer times is left out of the curve (too noisy to time)
 
 
@@ -55,13 +55,9 @@ class StepCurve:
 def read_step_trace(paths: list[str | Path]) -> tuple[StepCurve, StepCurve]:
     """(decode-only, with-prefill) curves of the steps in these trace files."""
     decode, mixed = [], []
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            if not line.strip():
-                continue
-            step = json.loads(line)
-            tokens = step["decode_rows"] + step["prefill_tokens"]
-            (mixed if step["prefill_tokens"] else decode).append((tokens, step["forward_s"]))
+    for step in read_steps(paths):
+        tokens = step["decode_rows"] + step["prefill_tokens"]
+        (mixed if step["prefill_tokens"] else decode).append((tokens, step["forward_s"]))
     curves = StepCurve(decode), StepCurve(mixed)
     if not (curves[0] or curves[1]):
         raise ValueError(f"no bin of step sizes has {MIN_STEPS_PER_BIN} steps in {[str(p) for p in paths]}")
