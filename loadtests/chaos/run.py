@@ -86,6 +86,9 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
+    if rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
+        raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
+                         f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
     report.mkdir(parents=True, exist_ok=True)
     service = None
     if host is None:

@@ -27,3 +27,16 @@ def test_recovery_is_the_first_answer_to_a_request_sent_after_the_fault():
     assert row["recovery_s"] == 7.0  # sent at 115 s, answered 2 s later; the one sent at 112 s took 9 s
     assert score(records[:1], fault_at=110.0)["recovery_s"] is None
     assert score(records, fault_at=None)["recovery_s"] is None
+
+
+def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
+    import pytest
+
+    from loadtests.chaos.run import run_chaos
+
+    with pytest.raises(ValueError, match="unknown scenarios"):
+        run_chaos(tmp_path, ["nope"])
+    for kwargs in ({"rate": 0}, {"duration_s": 10, "inject_s": 10}, {"storm_streams": 0}):
+        with pytest.raises(ValueError, match="need --rate"):
+            run_chaos(tmp_path, ["engine_kill"], **kwargs)
+    assert not list(tmp_path.iterdir())
