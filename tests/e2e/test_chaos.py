@@ -24,7 +24,10 @@ def test_chaos_small(tmp_path, home_with_model):
     assert rows["tenants"]["tenant_leaks"] == 0 and rows["tenants"]["checks"]["a_sees_own"]
     storm = rows["disconnect_storm"]
     assert storm["cut"] + storm["clean_error"] == 40 and storm["settled_after_s"] is not None
-    assert storm["kv_free_after"] == storm["kv_free_before"]
+    before, after = storm["kv_free_before"], storm["kv_free_after"]
+    assert after["online"] == before["online"]
+    # the offline pool may have been scaled to zero meanwhile (min_replicas 0): then it holds no KV
+    assert after.get("offline") in (before.get("offline"), None)
     kill = rows["engine_kill"]
     assert kill["sent"] >= 5 and kill["answered"] == kill["sent"] and kill["recovery_s"] is not None
     assert all(r["health_ok_after_s"] is not None for r in rows.values())
