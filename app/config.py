@@ -58,6 +58,7 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed for requests that give none (sampling stays per request).")
     stall_timeout_s: float = Field(20.0, gt=0, description="A replica's health check fails when its engine loop has had requests but finished no step for this long (a hung forward, a deadlock): Serve replaces it. Ten times this before the first step (kernels compiled on first use).")
     step_trace_dir: str | None = Field(None, description="Write one JSONL line per engine step into this folder (the CLI and the deployments fill it from FORESERVE_STEP_TRACE).")
+    fault_dir: str | None = Field(None, description="Chaos testing only (foreserve chaos sets it): a file named forward_error in this folder makes the engine's next step raise, as a kernel or device fault would, and is removed. None: off.")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -14,7 +14,8 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
@@ -74,7 +75,9 @@ class PredictionWindow:
 class EngineServer:
     """Plain class (usable without Serve); ``EngineServerDeployment`` wraps it."""
 
-    def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None, store: str = "") -> None:
+    def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None, store: str = "",
+                 on_crash: Callable[[BaseException], None] | None = None) -> None:
+        """``on_crash``: what the engine loop calls if it dies (``AsyncLLMEngine``)."""
         from predictor.feedback import FeedbackWriter
 
         process_defaults()  # NOTE: a replica started by `serve run` has none of the CLI's settings
@@ -85,7 +88,7 @@ class EngineServer:
         # NOTE: feedback goes to the store from a background thread: a finished request never waits on it
         self.feedback = FeedbackWriter(paths.feedback_store(store), flush_s=FEEDBACK_FLUSH_S)
         self.engine = LLMEngine.from_config(self.config, feedback=self.feedback)
-        self.aengine = AsyncLLMEngine(self.engine)
+        self.aengine = AsyncLLMEngine(self.engine, on_crash=on_crash)
         self.window = PredictionWindow(self.engine.buckets)
         # request_id -> wall-clock times at which each item left the engine (serving-overhead benchmark)
         self.emit_times: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
@@ -204,6 +207,17 @@ class EngineServer:
             logger.exception("could not store the last feedback records")
 
 
+def _end_replica(exc: BaseException) -> None:
+    """The engine loop died (a forward that raised: a kernel or device fault): end this replica's
+    process, like a crash would, rather than fail every open answer. Serve starts a new replica and
+    the ingress resumes each open answer there (as after a SIGKILL); a replica left up with a dead
+    loop would fail each request sent to it until three health checks had failed."""
+    logger.critical("engine loop died (%r); ending the replica so that Serve replaces it", exc)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class EngineServerDeployment:
     """Bind with ``(pool, engine_config_dict)``; call ``handle.options(stream=True).generate``."""
@@ -211,7 +225,7 @@ class EngineServerDeployment:
     def __init__(self, pool: str = "online", engine: dict | None = None, store: str = "") -> None:
         from deployments.metrics import PoolMetrics
 
-        self.server = EngineServer(pool, engine, store)
+        self.server = EngineServer(pool, engine, store, on_crash=_end_replica)
         self.metrics = PoolMetrics(pool)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:

@@ -305,7 +305,8 @@ class Ingress:
         except errors.APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - anything else mid-answer: retryable for the client
-            raise errors.unavailable(f"The {body.pool} pool failed while answering: {exc}") from None
+            logger.exception("%s failed while answering", result.request_id)
+            raise errors.unavailable(f"The {body.pool} pool failed while answering ({type(exc).__name__})") from None
         self._observe(result)
         return JSONResponse(completion(result).model_dump(), headers=headers)
 
@@ -400,7 +401,8 @@ class Ingress:
             self._observe(result)
         except Exception as exc:  # noqa: BLE001 - headers are gone: report in-band, then end the stream
             logger.exception("stream %s failed", result.request_id)
-            err = exc if isinstance(exc, errors.APIError) else errors.unavailable(f"generation failed: {exc}")
+            # NOTE: the type only: a replica's exception carries Ray's traceback, pids and paths
+            err = exc if isinstance(exc, errors.APIError) else errors.unavailable(f"generation failed ({type(exc).__name__})")
             yield "data: " + json.dumps(err.body()) + "\n\n"  # e.g. a resume refused with 429 stays a 429's body
         finally:
             # NOTE: closing the generator cancels the engine stream in use when the client went away

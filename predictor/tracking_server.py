@@ -50,7 +50,9 @@ class TrackingServer:
         """Start the server and wait until it answers ``/health``; returns its URL."""
         if self.process is not None:
             raise RuntimeError(f"the tracking server at {self.url} is already started")
-        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+        # NOTE: no job runner (GenAI evaluation jobs, which a registry never runs): it keeps its queue
+        # in a folder it makes under /dev/shm and never removes, and adds processes
+        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
         try:
             self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import LLMEngine
 from app.engine.outputs import RequestOutput
@@ -33,8 +33,12 @@ class EngineStalledError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_crash: Callable[[BaseException], None] | None = None) -> None:
+        """``on_crash``: called from the engine thread if the loop dies, instead of failing the open
+        streams (a Serve replica ends its process there: Serve replaces it, and the ingress resumes
+        the open answers on the new replica). Without it each open stream raises ``EngineDeadError``."""
         self.engine = engine
+        self._on_crash = on_crash
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -145,5 +149,8 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine loop crashed")
             self.error = exc
+            if self._on_crash is not None:
+                self._on_crash(exc)
+                return
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"engine loop crashed: {exc!r}"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.clock import Clock, WallClock
+from app.engine.faults import FaultFile
 from app.engine.kv.allocation import make_policy
 from app.engine.kv.pool import KVPool
 from app.engine.outputs import RequestOutput
@@ -76,6 +77,7 @@ class LLMEngine:
         self.forward_s = 0.0
         self.output_tokens = 0
         self._trace = StepTrace(config.step_trace_dir, config.scheduler) if config.step_trace_dir else None
+        self._faults = FaultFile(config.fault_dir) if config.fault_dir else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
@@ -215,6 +217,8 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler admitted nothing with an empty pool: a request cannot fit")
             return []
+        if self._faults is not None:
+            self._faults.before_forward()
         result = self.runner.execute(sched_out)
         self.forward_s += result.step_s
         self.clock.advance(result.step_s)

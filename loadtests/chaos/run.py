@@ -7,7 +7,8 @@ reset or a truncated stream without an error), seconds to the first answered req
 after the fault, seconds until ``/health`` said ``ok`` again, and the RSS of the ingress, proxy and
 replicas before and after. Load scenarios drive Locust (``loadtests/locustfile.py``, streaming, both
 tiers); the others are their own clients (``loadtests/chaos/probes.py``). Faults by signal need the
-service on this machine.
+service on this machine; ``forward_error`` needs the service this command starts, whose online pool
+it configures with a fault folder (``app/engine/faults.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 from loadtests.chaos import probes, procs
 from loadtests.chaos.score import score
 from loadtests.loadtest import LoadSpec, Service, build_workload, get_json, run_locust, served_model
@@ -27,12 +30,36 @@ from loadtests.summary import SLO, read_records
 KEYS = ("chaos-key-a", "chaos-key-b")
 FAULTS = {
     "engine_kill": "SIGKILL the online engine replica with streams open",
+    "forward_error": "the online engine's forward raises (an injected kernel fault) with streams open",
     "engine_freeze": "SIGSTOP the online engine replica (alive, answering nothing)",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
     "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
 }
 SIGNALS = {"engine_kill": signal.SIGKILL, "engine_freeze": signal.SIGSTOP}
+LOAD = (*SIGNALS, "forward_error")
+STARTED_ONLY = ("forward_error",)  # needs the fault folder of a service this command started
+
+
+def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
+    """``config`` (default serve_config.yaml) with the online pool's ``fault_dir`` set, written to ``out``."""
+    from app.config import DEFAULT_CONFIG_PATH, load_yaml
+
+    top = load_yaml(config or DEFAULT_CONFIG_PATH)
+    for entry in top.get("applications") or []:
+        pools = (entry.setdefault("args", {}) or {}).setdefault("pools", {})
+        pools.setdefault("online", {})["fault_dir"] = str(fault_dir)
+    out.write_text(yaml.safe_dump(top, sort_keys=False))
+    return out
+
+
+def inject(name: str, fault_dir: Path | None) -> list[int]:
+    """Cause fault ``name`` now; the pids it hit (a file-triggered fault hits the replica reading it)."""
+    if name == "forward_error":
+        fault_dir.mkdir(parents=True, exist_ok=True)
+        (fault_dir / "forward_error").touch()
+        return procs.pids("online")
+    return procs.signal_role("online", SIGNALS[name])
 
 
 def health_status(url: str) -> str | None:
@@ -51,7 +78,7 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
-                  status: str | None) -> dict:
+                  status: str | None, fault_dir: Path | None = None) -> dict:
     """Locust at ``rate`` for ``duration_s`` (80% online, 20% flex), the fault at ``inject_s``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "requests.jsonl").unlink(missing_ok=True)
@@ -63,7 +90,7 @@ def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duratio
     locust.start()
     time.sleep(inject_s)
     fault_at = time.time()
-    hit = procs.signal_role("online", SIGNALS[name])
+    hit = inject(name, fault_dir)
     if name == "engine_freeze":  # Serve replaces it; let the frozen process go once it has
         thaw = threading.Timer(90, lambda: [_cont(p) for p in hit])
         thaw.daemon = True  # NOTE: never keeps the command alive after the run
@@ -86,13 +113,17 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
+    if host and (started := [s for s in scenarios if s in STARTED_ONLY]):
+        raise ValueError(f"{started} need the service this command starts (no --host): it injects them through a "
+                         "fault folder in the engine's config")
     if rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
         raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
                          f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
     report.mkdir(parents=True, exist_ok=True)
-    service = None
+    service, fault_dir = None, report / "faults"
     if host is None:
-        service = Service(config, report / "service.log", env={"FORESERVE_API_KEYS": ",".join(KEYS)})
+        served = chaos_config(config, fault_dir, report / "serve_config.yaml")
+        service = Service(served, report / "service.log", env={"FORESERVE_API_KEYS": ",".join(KEYS)})
     url, key = host or service.url, os.environ.get("FORESERVE_API_KEY", KEYS[0]) if host else KEYS[0]
     rows = []
     try:
@@ -100,8 +131,8 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
         for name in scenarios:
             print(f"chaos: {name}: {FAULTS[name]}", flush=True)
             before, status, t0 = procs.memory(), health_status(url), time.monotonic()
-            if name in SIGNALS:
-                row = load_scenario(name, url, report / name, key, rate, duration_s, inject_s, status)
+            if name in LOAD:
+                row = load_scenario(name, url, report / name, key, rate, duration_s, inject_s, status, fault_dir)
             elif name == "disconnect_storm":
                 row = probes.disconnect_storm(url, key, model, streams=storm_streams)
             elif name == "hostile_input":

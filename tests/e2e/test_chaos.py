@@ -1,5 +1,6 @@
 """``foreserve chaos`` at small size on the real service it starts (two API keys): hostile input,
-tenants, a disconnect storm and an engine killed under load. Nothing may hang or break."""
+tenants, a disconnect storm, and under load an engine killed and an engine whose forward raises.
+Nothing may hang or break; the open answers of a lost engine are resumed on its replacement."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
     report = tmp_path / "report"
-    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill"], rate=0.5,
+    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill", "forward_error"], rate=0.5,
                         duration_s=16, inject_s=4, storm_streams=40)
     rows = {r["scenario"]: r for r in summary["scenarios"]}
     assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(summary, indent=1)[:4000]
@@ -28,7 +29,9 @@ def test_chaos_small(tmp_path, home_with_model):
     assert after["online"] == before["online"]
     # the offline pool may have been scaled to zero meanwhile (min_replicas 0): then it holds no KV
     assert after.get("offline") in (before.get("offline"), None)
-    kill = rows["engine_kill"]
-    assert kill["sent"] >= 5 and kill["answered"] == kill["sent"] and kill["recovery_s"] is not None
+    for name in ("engine_kill", "forward_error"):
+        row = rows[name]
+        assert row["sent"] >= 5 and row["answered"] == row["sent"] and row["recovery_s"] is not None, (name, row)
+    assert rows["forward_error"]["pids_hit"] and not (report / "faults" / "forward_error").exists()
     assert all(r["health_ok_after_s"] is not None for r in rows.values())
     assert (report / "summary.json").exists() and "engine_kill" in (report / "report.html").read_text()

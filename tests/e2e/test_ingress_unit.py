@@ -286,3 +286,36 @@ def test_a_stream_whose_body_is_never_read_still_cancels_the_engine_request():
     del events
     gc.collect()
     assert not read.cancelled
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_an_unexpected_failure_mid_stream_tells_the_client_no_internals():
+    """A failure that is not a lost replica (a replica's exception, which Ray wraps with its
+    traceback, pids and actor ids) ends the stream with a 503 error chunk and [DONE]; the chunk
+    names the failure's type only: no traceback, path or process details reach the client."""
+    from app.engine.request import SamplingParams
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    class Metrics:
+        def resumed(self, tier: str) -> None:
+            pass
+
+    internals = RuntimeError('ray::ServeReplica:foreserve:online (pid=1, ip=10.0.0.1)\nTraceback (most recent call '
+                             'last):\n  File "/work/main/app/engine/engine.py", line 1, in step')
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    ingress.metrics = Metrics()
+    broken = _Stream([_token_item("Hel", 1, 11)], fail_after=internals)
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=4))
+
+    async def go():
+        first = await broken.__anext__()
+        result = ChatResult(request.request_id, "m", "online", 0.0, first)
+        return [e async for e in ingress._stream_events(ingress._answer(request, "online", broken, result), result, True)]
+
+    events = asyncio.run(go())
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "service_unavailable" and "RuntimeError" in error["message"]
+    assert not any(leak in events[-2] for leak in ("Traceback", "pid=", "/work/", "File "))

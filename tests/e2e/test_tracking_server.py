@@ -4,6 +4,7 @@ registers a version and another one, elsewhere, loads it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -41,3 +42,31 @@ def test_the_servers_artifacts_live_in_the_store_and_reach_another_client(s3_uri
         monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL")
         predictor = load_predictor("champion", store=elsewhere)
         assert str(predictor.version) == "1" and (tmp_path / "node_b" / "mlflow" / "cache" / "1").is_dir()
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_a_stopped_server_leaves_no_process_and_nothing_in_dev_shm(tmp_path: Path):
+    """MLflow's server starts a job runner (GenAI evaluation jobs) whose queue lives in a folder it
+    makes in /dev/shm and never removes: memory leaked per start on an operator's machine. The
+    registry needs no jobs: nothing may be left in /dev/shm, nor any of its processes."""
+    before = _shm()
+    server = TrackingServer(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"), port=free_port(),
+                            log_path=tmp_path / "mlflow.log")
+    with server:
+        group = server.process.pid
+        from mlflow import MlflowClient
+
+        assert MlflowClient(server.url).search_registered_models() == []
+    assert _shm() - before == set(), "left in /dev/shm"
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == group]
+    assert alive == [], f"processes of the server's group still running: {alive}"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

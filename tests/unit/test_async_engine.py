@@ -109,3 +109,43 @@ async def test_a_loop_that_stops_stepping_with_work_is_reported_stalled():
     finally:
         release.set()
         aengine.shutdown()
+
+
+def test_a_fault_file_makes_the_next_forward_raise_once(tmp_path):
+    """``fault_dir`` (chaos testing): a file named ``forward_error`` there makes the engine's next
+    step raise as a kernel or device fault would, and is used up, so a replacement replica that
+    reads the same folder serves normally."""
+    from app.engine.faults import InjectedFault
+
+    engine = make_engine("paged", step_s=0.0, fault_dir=str(tmp_path))
+    engine.add_request(EngineRequest(request_id="a", **request(4, 3)))
+    assert engine.step()  # no file: a normal step
+    (tmp_path / "forward_error").touch()
+    with pytest.raises(InjectedFault, match="forward_error"):
+        engine.step()
+    assert not (tmp_path / "forward_error").exists()
+    fresh = make_engine("paged", step_s=0.0, fault_dir=str(tmp_path))
+    fresh.add_request(EngineRequest(request_id="b", **request(4, 3)))
+    assert fresh.step()
+
+
+async def test_a_crashed_loop_calls_on_crash_instead_of_failing_the_streams(tmp_path):
+    """A replica passes ``on_crash`` to end its process when the loop dies (Serve then replaces it
+    and the ingress resumes the open answers on the new replica): the streams are then left for the
+    process's death to end, never sent an error that would end the answers early."""
+    from app.engine.faults import InjectedFault
+
+    crashed = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    engine = make_engine("paged", step_s=0.0, fault_dir=str(tmp_path))
+    aengine = AsyncLLMEngine(engine, on_crash=lambda exc: loop.call_soon_threadsafe(crashed.set_result, exc))
+    try:
+        (tmp_path / "forward_error").touch()
+        task = asyncio.ensure_future(collect(aengine, "a", **request(4, 3)))
+        assert isinstance(await asyncio.wait_for(crashed, 5), InjectedFault)
+        await asyncio.sleep(0.2)
+        assert not task.done()  # no error delivered: the process's exit ends it
+        assert not aengine.healthy
+        task.cancel()
+    finally:
+        aengine.close()
