@@ -185,6 +185,7 @@ class IngressConfig(BaseModel):
     max_header_bytes: int = Field(65_536, ge=1024, description="Requests whose header names and values add up to more get 431.")
     max_file_bytes: int = Field(200 * 1_048_576, ge=1024, description="Larger batch input uploads (POST /v1/files) get 413.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 429 when a pool is at its queue limit.")
+    drain_timeout_s: float = Field(60.0, ge=0, description="On SIGTERM or Ctrl-C, `foreserve serve` first drains: new requests get 503 with Retry-After, and the open ones get this long to finish before the service stops (a second Ctrl-C stops at once).")
     flex_max_wait_s: float = Field(600.0, ge=0, description="A flex request waits at the ingress at most this long while the autoscaler has the offline pool at zero (it yielded to online); then it goes anyway and Serve starts the pool.")
     flex_max_held: int = Field(256, ge=1, description="At most this many flex requests wait at each ingress replica while the offline pool is at zero (the app's bound is this times the ingress replicas); more get 429 with Retry-After. Each held call takes one of the ingress's 1,024 concurrent slots, so this keeps most of them for online traffic.")
 

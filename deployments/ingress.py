@@ -41,8 +41,9 @@ from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.health import report as health_report
+from deployments.drain import DrainState, install_drain
 from deployments.http_errors import install_error_handlers, install_header_limit
-from deployments.pool_gate import GateFull, PoolGate, replica_states
+from deployments.pool_gate import GateClosed, GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
 logger = logging.getLogger("ray.serve")
@@ -84,6 +85,8 @@ app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output
 
 install_error_handlers(app)
 install_header_limit(app, lambda: getattr(app.state, "max_header_bytes", None))  # set by Ingress.__init__
+DRAIN = DrainState()  # this replica's; `foreserve serve` drains it before stopping (Ingress.drain)
+install_drain(app, DRAIN)
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
@@ -106,6 +109,7 @@ class Ingress:
         self.api_keys = ApiKeys(self.config.ingress.api_keys + split_list(os.environ.get("FORESERVE_API_KEYS")),
                                 split_list(os.environ.get("FORESERVE_API_KEY_SHA256")))
         app.state.max_header_bytes = self.config.ingress.max_header_bytes
+        DRAIN.retry_after_s = self.config.ingress.retry_after_s
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
         # NOTE: files and batches live in the store every node sees: any replica answers for any of them
@@ -123,6 +127,17 @@ class Ingress:
 
     def _replica_states(self) -> dict[str, dict[str, int]]:
         return replica_states(self.batches.app_name, self.pools)
+
+    def drain(self) -> int:
+        """Take no more requests (503 with Retry-After; ``/health`` 503 ``draining``), answer the flex
+        calls held for the offline pool the same way, and return how many requests are still open.
+        The open ones go on to their end (``deployments/drain.py``)."""
+        DRAIN.draining = True
+        self.offline_gate.close()
+        return DRAIN.open
+
+    def open_requests(self) -> int:
+        return DRAIN.open
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -324,6 +339,8 @@ class Ingress:
                     await self.offline_gate.wait(reservation_tokens([payload]), limits.flex_max_wait_s, max_held)
                 except GateFull:
                     raise errors.overloaded(limits.retry_after_s, "offline") from None
+                except GateClosed:
+                    raise errors.shutting_down(limits.retry_after_s) from None
             stream = self.pools[pool].options(stream=True).generate.remote(payload)
             try:
                 return stream, await self._first_item(stream, pool)

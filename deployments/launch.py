@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from app import paths
@@ -204,6 +205,27 @@ def metrics_urls() -> list[str]:
     import ray
 
     return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes() if n.get("Alive")]
+
+
+def drain(timeout_s: float, interrupted: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> int:
+    """Drain the app's ingress (``Ingress.drain``: new requests get 503 with Retry-After) and wait
+    until its open requests are answered, at most ``timeout_s`` or until ``interrupted()``; returns
+    how many were still open (0: none cut)."""
+    from ray import serve
+
+    if not _deployed.get("app"):
+        return 0
+    try:
+        ingress = serve.get_app_handle(str(_deployed["app"]))
+        left = ingress.drain.remote().result(timeout_s=30)
+        deadline = time.monotonic() + timeout_s
+        while left and time.monotonic() < deadline and not interrupted():
+            time.sleep(poll_s)
+            left = ingress.open_requests.remote().result(timeout_s=30)
+    except Exception as exc:  # noqa: BLE001 - no ingress to ask (it died, or never came up): stop anyway
+        print(f"could not drain the ingress ({type(exc).__name__}: {exc}); stopping", file=sys.stderr, flush=True)
+        return 0
+    return left
 
 
 def stop() -> None:

@@ -50,6 +50,10 @@ class GateFull(Exception):
     """The gate holds as many calls as it may: the caller should refuse this one (429)."""
 
 
+class GateClosed(Exception):
+    """The caller is shutting down (``close``): the held call should be refused (503, retry)."""
+
+
 class PoolGate:
     """The offline pool's gate at one caller. ``states()`` returns each pool's status and replica
     counts (a controller call, made at most every ``poll_s`` however many calls wait)."""
@@ -61,6 +65,7 @@ class PoolGate:
         self.held_requests = 0
         self.held_tokens = 0
         self._open = True
+        self._closed = False
         self._checked_at = -math.inf
         self._lock = asyncio.Lock()
 
@@ -77,7 +82,8 @@ class PoolGate:
     async def wait(self, tokens: int, max_wait_s: float = FLEX_MAX_WAIT_S, max_held: int | None = None) -> float:
         """Return once the pool is up (or after ``max_wait_s``); the seconds held. While held, the
         call and its ``tokens`` (prompt + predicted output) count in ``held_requests``/``held_tokens``.
-        ``GateFull`` if ``max_held`` calls are held already (each holds one of the caller's slots)."""
+        ``GateFull`` if ``max_held`` calls are held already (each holds one of the caller's slots);
+        ``GateClosed`` once the gate is closed (the caller is draining) while the pool is down."""
         if await self.is_open():
             return 0.0
         if max_held is not None and self.held_requests >= max_held:
@@ -87,6 +93,8 @@ class PoolGate:
         self.held_tokens += tokens
         try:
             while time.monotonic() - t0 < max_wait_s:
+                if self._closed:
+                    raise GateClosed()
                 await asyncio.sleep(self.poll_s)
                 if await self.is_open():
                     break
@@ -94,6 +102,10 @@ class PoolGate:
             self.held_requests -= 1
             self.held_tokens -= tokens
         return time.monotonic() - t0
+
+    def close(self) -> None:
+        """Refuse the calls held now and later (``GateClosed``, within ``poll_s``)."""
+        self._closed = True
 
     def stats(self) -> dict[str, float]:
         return {"held_requests": float(self.held_requests), "held_tokens": float(self.held_tokens)}

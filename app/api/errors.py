@@ -43,6 +43,11 @@ def overloaded(retry_after_s: int, tier: str) -> APIError:
                     type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
 
 
+def shutting_down(retry_after_s: int) -> APIError:
+    return APIError(503, f"This server is shutting down; retry after {retry_after_s} s.", type="server_error",
+                    code="service_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="service_unavailable")
 

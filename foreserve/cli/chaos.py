@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT = "engine_kill,forward_error,engine_freeze,disconnect_storm,hostile_input,tenants"
+DEFAULT = "engine_kill,forward_error,engine_freeze,disconnect_storm,hostile_input,tenants,drain"
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import time
 
 # NOTE: starting Ray and deploying the app is the deployments' (the load tests start it too);
 # re-exported here for the callers of ``foreserve.cli.serve``
-from deployments.launch import application_schema, metrics_urls, start, wait_ready  # noqa: F401
+from deployments.launch import application_schema, drain, metrics_urls, start, wait_ready  # noqa: F401
 from deployments.launch import stop as _stop
 
 
@@ -52,12 +52,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.exit_when_ready:
         _stop()
         return 0
-    stop = {"now": False}
+    signals = {"count": 0}
     for sig in (signal.SIGINT, signal.SIGTERM):  # NOTE: explicit, as a shell's `&` leaves SIGINT ignored
-        signal.signal(sig, lambda *_: stop.update(now=True))
-    while not stop["now"]:
+        signal.signal(sig, lambda *_: signals.update(count=signals["count"] + 1))
+    while not signals["count"]:
         time.sleep(0.5)
-    print("stopping foreserve...", flush=True)
+    timeout_s = config.ingress.drain_timeout_s
+    print(f"draining: new requests get 503 with Retry-After; open ones get up to {timeout_s:g} s "
+          "(Ctrl-C again stops now)...", flush=True)
+    t0 = time.monotonic()
+    left = drain(timeout_s, interrupted=lambda: signals["count"] > 1)
+    cut = f", {left} open requests cut" if left else ""
+    print(f"drained in {time.monotonic() - t0:.1f} s{cut}; stopping foreserve...", flush=True)
     _stop()
     return 0
 
@@ -68,7 +74,8 @@ def add_parser(sub) -> None:
         help="start Ray (or join RAY_ADDRESS) and serve the OpenAI-compatible chat API",
         description="Deploys serve_config.yaml's foreserve app (ingress, online and offline engine pools, the "
         "length predictor) on a local Ray cluster, or on the cluster at RAY_ADDRESS, prints the URL and a "
-        "ready-to-paste example, and runs until Ctrl-C. Runs `foreserve prepare` first if the model is missing.",
+        "ready-to-paste example, and runs until Ctrl-C or SIGTERM, then drains (new requests get 503 with "
+        "Retry-After while open ones finish, up to the ingress's drain_timeout_s) and stops. Runs `foreserve prepare` first if the model is missing.",
     )
     p.add_argument("--config", help="Serve config file (default: the repository's serve_config.yaml)")
     p.add_argument("--host", help="HTTP host (default: the config's http_options, 127.0.0.1; 0.0.0.0 when joining RAY_ADDRESS)")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtests.chaos import probes, procs
+from loadtests.chaos import drain, probes, procs
 from loadtests.chaos.score import score
 from loadtests.loadtest import LoadSpec, Service, build_workload, get_json, run_locust, served_model
 from loadtests.summary import SLO, read_records
@@ -32,13 +32,17 @@ FAULTS = {
     "engine_kill": "SIGKILL the online engine replica with streams open",
     "forward_error": "the online engine's forward raises (an injected kernel fault) with streams open",
     "engine_freeze": "SIGSTOP the online engine replica (alive, answering nothing)",
+    "predictor_kill": "SIGKILL the length predictor's replica under load",
+    "predictor_freeze": "SIGSTOP the length predictor's replica under load (alive, answering nothing)",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
     "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
+    "drain": "SIGTERM to foreserve serve with streams open (ends the service: last)",
 }
-SIGNALS = {"engine_kill": signal.SIGKILL, "engine_freeze": signal.SIGSTOP}
+SIGNALS = {"engine_kill": ("online", signal.SIGKILL), "engine_freeze": ("online", signal.SIGSTOP),
+           "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP)}
 LOAD = (*SIGNALS, "forward_error")
-STARTED_ONLY = ("forward_error",)  # needs the fault folder of a service this command started
+STARTED_ONLY = ("forward_error", "drain")  # need the service this command started (its fault folder, its process)
 
 
 def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
@@ -59,11 +63,22 @@ def inject(name: str, fault_dir: Path | None) -> list[int]:
         fault_dir.mkdir(parents=True, exist_ok=True)
         (fault_dir / "forward_error").touch()
         return procs.pids("online")
-    return procs.signal_role("online", SIGNALS[name])
+    role, sig = SIGNALS[name]
+    return procs.signal_role(role, sig)
 
 
 def health_status(url: str) -> str | None:
     return (get_json(f"{url}/health", 10) or {}).get("status")
+
+
+def wait_health_changed(url: str, status: str | None, timeout_s: float) -> float | None:
+    """Seconds until ``/health`` no longer says ``status`` (it noticed the fault); None if not within ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if health_status(url) != status:
+            return round(time.monotonic() - t0, 1)
+        time.sleep(0.5)
+    return None
 
 
 def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
@@ -89,16 +104,21 @@ def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duratio
     locust = threading.Thread(target=run_locust, args=(spec, url, out, out / "workload.jsonl", key), daemon=True)
     locust.start()
     time.sleep(inject_s)
-    fault_at = time.time()
+    fallbacks = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
+    fault_at, t0 = time.time(), time.monotonic()
     hit = inject(name, fault_dir)
-    if name == "engine_freeze":  # Serve replaces it; let the frozen process go once it has
+    if name.endswith("_freeze"):  # Serve replaces it; let the frozen process go once it has
         thaw = threading.Timer(90, lambda: [_cont(p) for p in hit])
         thaw.daemon = True  # NOTE: never keeps the command alive after the run
         thaw.start()
+    noticed_s = wait_health_changed(url, status, 20)
     ok_s = wait_health(url, status, 180)
+    ok_s = None if ok_s is None else round(time.monotonic() - t0, 1)  # from the fault
     locust.join()
     row = score(read_records(out / "requests.jsonl"), fault_at)
-    return {**row, "pids_hit": hit, "health_ok_after_s": ok_s}
+    after = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
+    return {**row, "pids_hit": hit, "health_noticed_s": noticed_s, "health_ok_after_s": ok_s,
+            "predictor_fallbacks": None if fallbacks is None or after is None else after - fallbacks}
 
 
 def _cont(pid: int) -> None:
@@ -114,8 +134,10 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
     if host and (started := [s for s in scenarios if s in STARTED_ONLY]):
-        raise ValueError(f"{started} need the service this command starts (no --host): it injects them through a "
-                         "fault folder in the engine's config")
+        raise ValueError(f"{started} need the service this command starts (no --host): a fault folder in its "
+                         "engine's config, its own process")
+    if "drain" in scenarios[:-1]:
+        raise ValueError("drain ends the service: it must be the last scenario")
     if rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
         raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
                          f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
@@ -133,6 +155,8 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
             before, status, t0 = procs.memory(), health_status(url), time.monotonic()
             if name in LOAD:
                 row = load_scenario(name, url, report / name, key, rate, duration_s, inject_s, status, fault_dir)
+            elif name == "drain":
+                row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":
                 row = probes.disconnect_storm(url, key, model, streams=storm_streams)
             elif name == "hostile_input":

@@ -1,6 +1,7 @@
 """``foreserve chaos`` at small size on the real service it starts (two API keys): hostile input,
-tenants, a disconnect storm, and under load an engine killed and an engine whose forward raises.
-Nothing may hang or break; the open answers of a lost engine are resumed on its replacement."""
+tenants, a disconnect storm, under load an engine killed and an engine whose forward raises, and
+last a drain (SIGTERM to the service with streams open). Nothing may hang or break; the open
+answers of a lost engine are resumed on its replacement; a drain finishes the open streams."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
     report = tmp_path / "report"
-    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill", "forward_error"], rate=0.5,
+    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill", "forward_error", "drain"], rate=0.5,
                         duration_s=16, inject_s=4, storm_streams=40)
     rows = {r["scenario"]: r for r in summary["scenarios"]}
     assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(summary, indent=1)[:4000]
@@ -33,5 +34,9 @@ def test_chaos_small(tmp_path, home_with_model):
         row = rows[name]
         assert row["sent"] >= 5 and row["answered"] == row["sent"] and row["recovery_s"] is not None, (name, row)
     assert rows["forward_error"]["pids_hit"] and not (report / "faults" / "forward_error").exists()
-    assert all(r["health_ok_after_s"] is not None for r in rows.values())
+    assert all(r["health_ok_after_s"] is not None for name, r in rows.items() if name != "drain")
+    drained = rows["drain"]  # SIGTERM with 4 streams open: all answered, new requests 503 + Retry-After
+    assert drained["streams"] == ["answered"] * 4 and drained["exit_code"] == 0, drained
+    assert drained["probes"].get("503+retry", 0) >= 1 and drained["left_processes"] == [], drained
+    assert drained["left_in_dev_shm"] == [], drained
     assert (report / "summary.json").exists() and "engine_kill" in (report / "report.html").read_text()

@@ -87,3 +87,24 @@ def test_a_call_past_max_held_is_refused_not_held():
         assert await gate.wait(10, max_held=0) == 0.0  # an open pool holds nothing, so no limit applies
 
     asyncio.run(scenario())
+
+
+def test_closing_the_gate_refuses_the_held_calls_and_new_ones():
+    """A draining ingress closes its gate: calls held for a pool at zero are refused at once
+    (``GateClosed``: the client gets a 503 to retry), not kept until the process ends."""
+    from deployments.pool_gate import GateClosed
+
+    states = {"offline": {"status": "HEALTHY"}}
+
+    async def scenario():
+        gate = PoolGate(lambda: states, "offline", poll_s=0.02)
+        held = asyncio.ensure_future(gate.wait(10))
+        await asyncio.sleep(0.05)
+        gate.close()
+        with pytest.raises(GateClosed):
+            await asyncio.wait_for(held, HANG_GUARD_S)
+        with pytest.raises(GateClosed):
+            await asyncio.wait_for(gate.wait(10), HANG_GUARD_S)
+        assert gate.stats() == {"held_requests": 0.0, "held_tokens": 0.0}
+
+    asyncio.run(scenario())

@@ -1,0 +1,111 @@
+"""The ``drain`` scenario: SIGTERM to the ``foreserve serve`` this command started, with streams
+open. The open streams must be answered in full, requests sent meanwhile must get a 503 with
+Retry-After (until nothing listens: a refused connection, which a client retries, never a reset),
+and once the command has exited none of its processes and nothing new in /dev/shm may be left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+SHM = "/dev/shm"
+
+
+def _shm() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def _session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the command's: it runs in a session of its own)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    alive.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return alive
+
+
+def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Event) -> None:
+    """One streamed chat: ``out`` gets ``answered`` (usage says every token asked for, then [DONE])
+    or what went wrong."""
+    tokens, done, error = None, False, None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                first.set()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    error = chunk.get("error", error)
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    first.set()
+    out["outcome"] = "answered" if done and not error and tokens == body["max_tokens"] else f"{error or 'cut'}"
+
+
+def _probe(url: str, headers: dict, model: str) -> str:
+    """One new request during the drain: ``200``, ``503+retry`` (503 with Retry-After), ``refused``
+    (nothing listens any more) or what else came back."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        response = httpx.post(f"{url}/v1/chat/completions", headers=headers, json=body, timeout=60)
+    except httpx.ConnectError:
+        return "refused"
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    if response.status_code == 503 and response.headers.get("retry-after"):
+        return "503+retry"
+    return str(response.status_code)
+
+
+def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens: int = 48,
+          timeout_s: float = 300) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    shm_before = _shm()
+    outs = [{} for _ in range(streams)]
+    firsts = [threading.Event() for _ in range(streams)]
+    threads = [threading.Thread(target=_stream, args=(url, headers, body, out, first), daemon=True)
+               for out, first in zip(outs, firsts)]
+    for t in threads:
+        t.start()
+    for first in firsts:
+        first.wait(120)
+    t0 = time.monotonic()
+    service.proc.send_signal(signal.SIGTERM)
+    probes = []
+    while service.proc.poll() is None and time.monotonic() - t0 < timeout_s:
+        probes.append(_probe(url, headers, model))
+        if probes[-1] == "refused":
+            break
+        time.sleep(0.25)
+    for t in threads:
+        t.join(max(1.0, timeout_s - (time.monotonic() - t0)))
+    try:
+        code = service.proc.wait(max(1.0, timeout_s - (time.monotonic() - t0)))
+    except Exception:  # noqa: BLE001 - still running: reported as not stopped
+        code = None
+    stopped_s = round(time.monotonic() - t0, 1)
+    time.sleep(5)  # what a clean stop leaves must be gone by now
+    left = _session(service.proc.pid)
+    counts = {o: probes.count(o) for o in sorted(set(probes))}
+    streamed = [out.get("outcome", "hung") for out in outs]
+    unclean = [p for p in probes if p not in ("200", "503+retry", "refused")]
+    return {"sent": streams + len(probes), "answered": streamed.count("answered") + counts.get("200", 0),
+            "clean_error": counts.get("503+retry", 0), "hung": streamed.count("hung"),
+            "broken": sum(o not in ("answered", "hung") for o in streamed) + len(unclean) + int(code is None) + len(left),
+            "recovery_s": None, "health_ok_after_s": None, "probes": counts, "streams": streamed,
+            "exit_code": code, "stopped_after_s": stopped_s, "left_processes": left,
+            "left_in_dev_shm": sorted(_shm() - shm_before),
+            "broken_examples": sorted({o for o in streamed if o not in ("answered", "hung")} | set(unclean))[:3]}
