@@ -23,7 +23,7 @@ from ray import serve
 from app import paths
 from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.engine import LLMEngine, RequestRejected
+from app.engine.engine import EngineOverloaded, LLMEngine, RequestRejected
 from app.engine.request import EngineRequest, Prediction, SamplingParams
 from app.prepare.model_store import ensure_local_model
 from app.runtime_env import process_defaults, traced
@@ -138,6 +138,8 @@ class EngineServer:
                 }
         except RequestRejected as exc:
             yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}
+        except EngineOverloaded as exc:  # load shedding: the ingress answers 429 with Retry-After
+            yield {"request_id": req.request_id, "error": {"status_code": 429, "message": str(exc)}}
 
     def _record_latency(self, emitted: list[float]) -> None:
         if len(emitted) > 2:

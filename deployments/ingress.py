@@ -73,8 +73,11 @@ def _cancel_unstarted(stream, result: ChatResult) -> None:
         stream.cancel()
 
 
-def _engine_error(error: dict) -> errors.APIError:
-    """The engine's refusal (400: the prompt and max_tokens do not fit its KV) or failure (500)."""
+def _engine_error(error: dict, retry_after_s: int = 2, pool: str = "online") -> errors.APIError:
+    """The engine's refusal (400: the prompt and max_tokens do not fit its KV; 429: it sheds load,
+    its queue past ``max_queue_delay_ms``) or failure (500)."""
+    if error.get("status_code") == 429:
+        return errors.overloaded(retry_after_s, pool)
     if error.get("status_code", 400) == 400:
         return errors.bad_request(error["message"], param="max_tokens", code="context_length_exceeded")
     return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")
@@ -364,7 +367,7 @@ class Ingress:
             logger.exception("%s pool failed before the first token", pool)
             raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
         if "error" in first:
-            raise _engine_error(first["error"])
+            raise _engine_error(first["error"], self.config.ingress.retry_after_s, pool)
         return first
 
     async def _answer(self, request: GenerateRequest, pool: str, stream, result: ChatResult) -> AsyncIterator[dict]:

@@ -162,6 +162,7 @@ class ChatUser(HttpUser):
                 record["status"] = response.status_code
                 if response.status_code != 200:
                     record["error"] = f"HTTP {response.status_code}: {response.text[:200]}"
+                    record["retry_after"] = response.headers.get("Retry-After")
                     response.failure(record["error"])
                 else:
                     for line in response.iter_lines():

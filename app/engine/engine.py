@@ -15,6 +15,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
+from app.engine.shedding import EngineOverloaded, LoadShedder
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
 from predictor.base import LengthPredictor, MaxPredictor
@@ -78,6 +79,7 @@ class LLMEngine:
         self.output_tokens = 0
         self._trace = StepTrace(config.step_trace_dir, config.scheduler) if config.step_trace_dir else None
         self._faults = FaultFile(config.fault_dir) if config.fault_dir else None
+        self.shedder = LoadShedder(config.max_queue_delay_ms) if config.max_queue_delay_ms is not None else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
@@ -114,6 +116,10 @@ class LLMEngine:
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
         resumed = request.resume_output_token_ids
+        # NOTE: a resumed answer is always taken; nothing is shed before the first step (kernels
+        # built on first use: a cold replica's first wait says nothing about its pace)
+        if self.shedder is not None and not resumed and self.scheduler.stats.steps:
+            self.shedder.check(self.scheduler.requests.values(), self.clock(), len(prompt_token_ids))
         if resumed and len(resumed) >= sampling.max_tokens:
             raise RequestRejected(f"nothing left to generate: {len(resumed)} of max_tokens {sampling.max_tokens} done")
         total = len(prompt_token_ids) + sampling.max_tokens
@@ -220,6 +226,8 @@ class LLMEngine:
         if self._faults is not None:
             self._faults.before_forward()
         result = self.runner.execute(sched_out)
+        if self.shedder is not None:
+            self.shedder.observe(sched_out, result.step_s)
         self.forward_s += result.step_s
         self.clock.advance(result.step_s)
         self.scheduler.observe_step(sched_out.num_tokens, result.step_s)
@@ -303,4 +311,5 @@ class LLMEngine:
             self._trace = None
 
 
-__all__ = ["FINISH_REASONS", "EngineRequest", "EngineStats", "LLMEngine", "Prediction", "RequestRejected"]
+__all__ = ["FINISH_REASONS", "EngineOverloaded", "EngineRequest", "EngineStats", "LLMEngine", "Prediction",
+           "RequestRejected"]

@@ -12,7 +12,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from loadtests.chaos.run import run_chaos
 
     summary = run_chaos(Path(args.report), args.scenarios.split(","), args.host, Path(args.config) if args.config else None,
-                        args.rate, args.duration, args.inject_at, args.storm_streams)
+                        args.rate, args.duration, args.inject_at, args.storm_streams, args.overload_rate)
     print(f"{'scenario':>17} {'sent':>5} {'answered':>8} {'clean err':>9} {'hung':>4} {'broken':>6} {'recovery s':>10} {'health ok s':>11}")
     for r in summary["scenarios"]:
         print(f"{r['scenario']:>17} {r['sent']:>5} {r['answered']:>8} {r['clean_error']:>9} {r['hung']:>4} {r['broken']:>6} "
@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.5, help="load scenarios: requests/s (default 0.5)")
     p.add_argument("--duration", type=float, default=60, help="load scenarios: seconds of arrivals (default 60)")
     p.add_argument("--inject-at", type=float, default=15, help="load scenarios: the fault this many seconds in (default 15)")
+    p.add_argument("--overload-rate", type=float, default=6.0,
+                   help="overload: requests/s (default 6, about 3x what the default service answers on 2 cores)")
     p.add_argument("--storm-streams", type=int, default=200, help="disconnect storm: streams cut at once (default 200)")
     p.add_argument("--report", default="reports/chaos", help="output folder (default reports/chaos)")
     p.set_defaults(func=cmd_chaos)

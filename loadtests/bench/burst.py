@@ -25,10 +25,12 @@ PROMPTS = [f"Tell me a story about a {animal} who learns to {skill}." for animal
 
 
 def burst_config(source: Path, out: Path, ttft_slo_ms: float = 1000, calm_s: float = 5) -> Path:
-    """serve_config.yaml with a tight online TTFT SLO (so a small burst is pressure) and a short calm."""
+    """serve_config.yaml with a tight online TTFT SLO (so a small burst is pressure) and a short calm.
+    Nothing is shed (``max_queue_delay_ms``): the whole burst is the backlog the autoscaler must
+    see, and every request of it is counted (shedding is ``foreserve chaos``'s overload scenario)."""
     data = yaml.safe_load(source.read_text())
     entry = data["applications"][0]
-    entry["args"]["pools"]["online"].update(ttft_slo_ms=ttft_slo_ms)
+    entry["args"]["pools"]["online"].update(ttft_slo_ms=ttft_slo_ms, max_queue_delay_ms=None)
     entry["autoscaling_policy"]["policy_kwargs"].update(calm_s=calm_s)
     out.write_text(yaml.safe_dump(data))
     return out

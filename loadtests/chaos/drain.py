@@ -69,7 +69,9 @@ def _probe(url: str, headers: dict, model: str) -> str:
 
 
 def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens: int = 48,
-          timeout_s: float = 300) -> dict:
+          timeout_s: float = 300, group: bool = False) -> dict:
+    """``group``: SIGINT to the command's process group, as Ctrl-C in its terminal sends it (Ray's
+    own processes included), instead of SIGTERM to the command alone."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -83,7 +85,7 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
     for first in firsts:
         first.wait(120)
     t0 = time.monotonic()
-    service.proc.send_signal(signal.SIGTERM)
+    os.killpg(service.proc.pid, signal.SIGINT) if group else service.proc.send_signal(signal.SIGTERM)
     probes = []
     while service.proc.poll() is None and time.monotonic() - t0 < timeout_s:
         probes.append(_probe(url, headers, model))

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from loadtests.chaos import drain, probes, procs
-from loadtests.chaos.score import score
+from loadtests.chaos.score import overload, score
 from loadtests.loadtest import LoadSpec, Service, build_workload, get_json, run_locust, served_model
 from loadtests.summary import SLO, read_records
 
@@ -34,6 +34,7 @@ FAULTS = {
     "engine_freeze": "SIGSTOP the online engine replica (alive, answering nothing)",
     "predictor_kill": "SIGKILL the length predictor's replica under load",
     "predictor_freeze": "SIGSTOP the length predictor's replica under load (alive, answering nothing)",
+    "overload": "arrivals at --overload-rate (3x what the service answers) and no other fault",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
     "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
@@ -41,7 +42,7 @@ FAULTS = {
 }
 SIGNALS = {"engine_kill": ("online", signal.SIGKILL), "engine_freeze": ("online", signal.SIGSTOP),
            "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP)}
-LOAD = (*SIGNALS, "forward_error")
+LOAD = (*SIGNALS, "forward_error", "overload")
 STARTED_ONLY = ("forward_error", "drain")  # need the service this command started (its fault folder, its process)
 
 
@@ -59,6 +60,8 @@ def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
 
 def inject(name: str, fault_dir: Path | None) -> list[int]:
     """Cause fault ``name`` now; the pids it hit (a file-triggered fault hits the replica reading it)."""
+    if name == "overload":  # the load is the fault
+        return []
     if name == "forward_error":
         fault_dir.mkdir(parents=True, exist_ok=True)
         (fault_dir / "forward_error").touch()
@@ -115,7 +118,8 @@ def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duratio
     ok_s = wait_health(url, status, 180)
     ok_s = None if ok_s is None else round(time.monotonic() - t0, 1)  # from the fault
     locust.join()
-    row = score(read_records(out / "requests.jsonl"), fault_at)
+    records = read_records(out / "requests.jsonl")
+    row = {**score(records, fault_at), **(overload(records) if name == "overload" else {})}
     after = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
     return {**row, "pids_hit": hit, "health_noticed_s": noticed_s, "health_ok_after_s": ok_s,
             "predictor_fallbacks": None if fallbacks is None or after is None else after - fallbacks}
@@ -129,7 +133,8 @@ def _cont(pid: int) -> None:
 
 
 def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
-              rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200) -> dict:
+              rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200,
+              overload_rate: float = 6.0) -> dict:
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
@@ -138,7 +143,7 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
                          "engine's config, its own process")
     if "drain" in scenarios[:-1]:
         raise ValueError("drain ends the service: it must be the last scenario")
-    if rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
+    if rate <= 0 or overload_rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
         raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
                          f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
     report.mkdir(parents=True, exist_ok=True)
@@ -154,7 +159,8 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
             print(f"chaos: {name}: {FAULTS[name]}", flush=True)
             before, status, t0 = procs.memory(), health_status(url), time.monotonic()
             if name in LOAD:
-                row = load_scenario(name, url, report / name, key, rate, duration_s, inject_s, status, fault_dir)
+                row = load_scenario(name, url, report / name, key, overload_rate if name == "overload" else rate,
+                                    duration_s, inject_s, status, fault_dir)
             elif name == "drain":
                 row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":

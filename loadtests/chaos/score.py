@@ -33,3 +33,25 @@ def score(records: list[dict], fault_at: float | None) -> dict:
         recovery = round(min(later) - fault_at, 1) if later else None
     examples = sorted({r["error"][:160] for r in records if classify(r) in ("broken", "hung")})[:3]
     return {**counts, "recovery_s": recovery, "broken_examples": examples}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+def overload(records: list[dict]) -> dict:
+    """Under overload: how many were refused with 429 (and with Retry-After), how fast a refusal came
+    back (p99 ms), and the admitted online requests' TTFT (p50, p99; p99 of the first and the second
+    half of the arrivals: bounded TTFT does not grow with the backlog)."""
+    refused = [r for r in records if r.get("status") == 429]
+    online = sorted((r for r in records if r.get("tier") == "online" and r.get("ttft_ms") is not None),
+                    key=lambda r: r["start"])
+    ttfts = [r["ttft_ms"] for r in online]
+    half = len(ttfts) // 2
+    return {"refused_429": len(refused), "refused_with_retry_after": sum(bool(r.get("retry_after")) for r in refused),
+            "refusal_p99_ms": _pct([r["e2e_ms"] for r in refused], 0.99),
+            "admitted_online_ttft_p50_ms": _pct(ttfts, 0.5), "admitted_online_ttft_p99_ms": _pct(ttfts, 0.99),
+            "ttft_p99_first_half_ms": _pct(ttfts[:half], 0.99), "ttft_p99_second_half_ms": _pct(ttfts[half:], 0.99)}

@@ -319,3 +319,21 @@ def test_an_unexpected_failure_mid_stream_tells_the_client_no_internals():
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == "service_unavailable" and "RuntimeError" in error["message"]
     assert not any(leak in events[-2] for leak in ("Traceback", "pid=", "/work/", "File "))
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def test_an_engine_shedding_load_is_a_429_with_retry_after():
+    """A pool past its ``max_queue_delay_ms`` refuses a new request with a 429 item: the client gets
+    OpenAI's rate-limit error with Retry-After before any byte, not a 400 or a 500."""
+    from app.api import errors
+    from deployments.engine_server import GenerateRequest
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": {"retry_after_s": 3}})
+    shed = _Stream([{"request_id": "r", "error": {"status_code": 429, "message": "the oldest waiting request ..."}}])
+    ingress.pools = {"online": _Pool([shed])}
+    with pytest.raises(errors.APIError) as refused:
+        asyncio.run(ingress._start(GenerateRequest(prompt_token_ids=[1]), "online"))
+    assert refused.value.status_code == 429 and refused.value.headers == {"Retry-After": "3"}
+    assert refused.value.body()["error"]["type"] == "rate_limit_error"

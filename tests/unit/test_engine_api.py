@@ -117,3 +117,51 @@ def test_a_request_whose_row_cannot_be_sampled_fails_alone():
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     add(engine, "after", 10, 4)
     assert run_all(engine)["after"][-1].finish_reason == "length"
+
+
+def test_new_requests_are_shed_while_the_oldest_waiting_one_is_past_the_queue_delay():
+    """Load shedding (``max_queue_delay_ms``): once the oldest request without its first token has
+    waited longer than the limit, a new request is refused (the ingress's 429 with Retry-After)
+    instead of queued behind it; an answer resumed from a lost replica is still taken, and new
+    requests are taken again as soon as the queue moves."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("paged", max_queue_delay_ms=1000)
+    add(engine, "warm", 10, 1)
+    engine.step()  # nothing is shed before the first step
+    add(engine, "a", 10, 5)
+    engine.clock.idle_until(0.5)
+    add(engine, "b", 10, 5)  # a has waited 0.5 s: taken
+    engine.clock.idle_until(1.5)
+    with pytest.raises(EngineOverloaded, match="waited 1.49 s|waited 1.5 s"):
+        add(engine, "c", 10, 5)
+    assert "c" not in engine.scheduler.requests
+    resumed = EngineRequest(request_id="d", prompt_token_ids=[5] * 10, resume_output_token_ids=[7, 7],
+                            sampling=SamplingParams(max_tokens=5, ignore_eos=True),
+                            prediction=Prediction(bucket=0, bound_tokens=5))
+    engine.add_request(resumed)
+    engine.step()  # a and b get their first tokens
+    add(engine, "e", 10, 5)
+
+
+def test_new_requests_are_shed_when_the_prompts_ahead_would_take_past_the_queue_delay():
+    """The oldest request's wait lags: a burst is all taken before anyone has waited long. So a
+    new request is also refused when the prompt tokens still to prefill, at the tokens/s the engine
+    measured, would take longer than the limit."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("paged", kv_tokens=4096, max_queue_delay_ms=1000, step_s=0.01)  # 64 tokens per 10 ms step
+    add(engine, "warm", 64, 1)
+    engine.step()  # measures 6,400 tokens/s
+    for i in range(10):
+        add(engine, f"p{i}", 640, 5)  # the 10th's first token after 10 x 640 prompt tokens: 1.0 s
+    with pytest.raises(EngineOverloaded, match="prefill"):
+        add(engine, "one too many", 640, 5)  # 1.1 s
+    assert engine.clock() < 0.1  # nobody has waited long yet
+
+
+def test_without_a_queue_delay_limit_nothing_is_shed():
+    engine = make_engine("paged")
+    add(engine, "a", 10, 5)
+    engine.clock.idle_until(3600)
+    add(engine, "b", 10, 5)
