@@ -43,6 +43,7 @@ from deployments.engine_server import GenerateRequest
 from deployments.health import report as health_report
 from deployments.drain import DrainState, install_drain
 from deployments.http_errors import install_error_handlers, install_header_limit
+from deployments.openapi import document_bodies
 from deployments.pool_gate import GateClosed, GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -77,7 +78,7 @@ def _engine_error(error: dict, retry_after_s: int = 2, pool: str = "online") -> 
     """The engine's refusal (400: the prompt and max_tokens do not fit its KV; 429: it sheds load,
     its queue past ``max_queue_delay_ms``) or failure (500)."""
     if error.get("status_code") == 429:
-        return errors.overloaded(retry_after_s, pool)
+        return errors.shed(retry_after_s, pool)
     if error.get("status_code", 400) == 400:
         return errors.bad_request(error["message"], param="max_tokens", code="context_length_exceeded")
     return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")
@@ -90,6 +91,7 @@ install_error_handlers(app)
 install_header_limit(app, lambda: getattr(app.state, "max_header_bytes", None))  # set by Ingress.__init__
 DRAIN = DrainState()  # this replica's; `foreserve serve` drains it before stopping (Ingress.drain)
 install_drain(app, DRAIN)
+document_bodies(app, {("/v1/chat/completions", "post"): ChatCompletionRequest, ("/v1/batches", "post"): BatchCreate})
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})

@@ -42,6 +42,7 @@ class LoadSpec(BaseModel):
     drain_s: float = Field(120, ge=0)
     think_s: float = Field(0, ge=0)
     ignore_eos: bool = True
+    cancel_fraction: float = Field(0.0, ge=0, le=1, description="this share of requests is cancelled by the client mid-answer")
 
     def parsed_stages(self) -> Stages:
         return parse_stages(self.stages)
@@ -64,7 +65,10 @@ def build_workload(spec: LoadSpec, path: Path, split: str = "validation") -> int
     for i in range(min(wanted, len(records))):
         r = records[i]
         tier = rng.choices(tiers, weights)[0]
-        lines.append(json.dumps({"prompt": r.user, "max_tokens": min(r.output_tokens, spec.max_tokens), "tier": tier}))
+        item = {"prompt": r.user, "max_tokens": min(r.output_tokens, spec.max_tokens), "tier": tier}
+        if spec.cancel_fraction and rng.random() < spec.cancel_fraction:  # NOTE: no draw without: same workloads
+            item["cancel_after"] = rng.randint(1, max(1, item["max_tokens"] // 2))  # content chunks, then walk away
+        lines.append(json.dumps(item))
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
 

@@ -184,6 +184,9 @@ class ChatUser(HttpUser):
                             else:
                                 record["itl_ms"].append(round((now - last) * 1000, 2))
                             last = now
+                            if item.get("cancel_after") and len(record["itl_ms"]) + 1 >= item["cancel_after"]:
+                                record["cancelled"] = True  # the client walks away mid-answer (on purpose)
+                                break
                     if record["error"] is None and record["ttft_ms"] is None:
                         record["error"] = "the stream ended without content"
                     if record["error"]:
@@ -204,7 +207,7 @@ class ChatUser(HttpUser):
         self._fire(record)
 
     def _fire(self, record: dict) -> None:
-        if record["error"]:
+        if record["error"] or record.get("cancelled"):  # NOTE: a cancelled answer has no E2E or TPOT to report
             return
         fire = self.environment.events.request.fire
         tokens = record["output_tokens"]

@@ -43,6 +43,12 @@ def overloaded(retry_after_s: int, tier: str) -> APIError:
                     type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
 
 
+def shed(retry_after_s: int, tier: str) -> APIError:
+    return APIError(429, f"The {tier} pool is too busy to answer in time (its queue is past its delay limit); "
+                    f"retry after {retry_after_s} s.", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
 def shutting_down(retry_after_s: int) -> APIError:
     return APIError(503, f"This server is shutting down; retry after {retry_after_s} s.", type="server_error",
                     code="service_unavailable", headers={"Retry-After": str(retry_after_s)})

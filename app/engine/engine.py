@@ -119,7 +119,7 @@ class LLMEngine:
         # NOTE: a resumed answer is always taken; nothing is shed before the first step (kernels
         # built on first use: a cold replica's first wait says nothing about its pace)
         if self.shedder is not None and not resumed and self.scheduler.stats.steps:
-            self.shedder.check(self.scheduler.requests.values(), self.clock(), len(prompt_token_ids))
+            self.shedder.check(self.scheduler.requests.values(), self.clock())
         if resumed and len(resumed) >= sampling.max_tokens:
             raise RequestRejected(f"nothing left to generate: {len(resumed)} of max_tokens {sampling.max_tokens} done")
         total = len(prompt_token_ids) + sampling.max_tokens

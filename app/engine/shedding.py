@@ -1,8 +1,8 @@
 """Load shedding for a latency pool (``EngineConfig.max_queue_delay_ms``): refuse a new request
 rather than queue it where its first token would come too late. Two tests, because the first lags:
 the oldest request without its first token has waited past the limit; or the prompt tokens still
-to prefill, the new one's included, would take past the limit at the pace the engine's recent
-steps prefilled (a burst is otherwise taken whole before anyone has waited long)."""
+to prefill ahead of the new one would take past the limit at the pace the engine's recent steps
+prefilled (a burst is otherwise taken whole before anyone has waited long)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,16 @@ class LoadShedder:
             pace = prefill / step_s
             self.prefill_tokens_per_s = pace if self.prefill_tokens_per_s is None else 0.8 * self.prefill_tokens_per_s + 0.2 * pace
 
-    def check(self, requests: Iterable[Request], now_s: float, prompt_tokens: int) -> None:
-        """Raise ``EngineOverloaded`` if a new request of ``prompt_tokens`` should be refused."""
+    def check(self, requests: Iterable[Request], now_s: float) -> None:
+        """Raise ``EngineOverloaded`` if a new request should be refused."""
         pending = [r for r in requests if not r.output_token_ids]
         waited = now_s - min(r.arrival_s for r in pending) if pending else 0.0
         limit_ms = f"max_queue_delay_ms ({self.limit_s * 1000:g})"
         if waited > self.limit_s:
             raise EngineOverloaded(f"the oldest waiting request has waited {waited:.1f} s, past this pool's {limit_ms}")
         if pace := self.prefill_tokens_per_s:
-            ahead = prompt_tokens + sum(r.num_prompt_tokens - r.num_computed_tokens for r in pending)
+            # NOTE: the new prompt's own prefill is not queueing: a lone long prompt is always taken
+            ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in pending)
             if ahead / pace > self.limit_s:
                 raise EngineOverloaded(f"{ahead} prompt tokens to prefill first would take {ahead / pace:.1f} s at "
                                        f"{pace:.0f} tokens/s, past this pool's {limit_ms}")

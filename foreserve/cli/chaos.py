@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT = "engine_kill,forward_error,engine_freeze,disconnect_storm,hostile_input,tenants,drain"
+DEFAULT = "engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,overload,disconnect_storm,fuzz,hostile_input,tenants,drain"
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     from loadtests.chaos.run import run_chaos
 
     summary = run_chaos(Path(args.report), args.scenarios.split(","), args.host, Path(args.config) if args.config else None,
-                        args.rate, args.duration, args.inject_at, args.storm_streams, args.overload_rate)
+                        args.rate, args.duration, args.inject_at, args.storm_streams, args.overload_rate,
+                        args.fuzz_examples, args.soak_minutes)
     print(f"{'scenario':>17} {'sent':>5} {'answered':>8} {'clean err':>9} {'hung':>4} {'broken':>6} {'recovery s':>10} {'health ok s':>11}")
     for r in summary["scenarios"]:
         print(f"{r['scenario']:>17} {r['sent']:>5} {r['answered']:>8} {r['clean_error']:>9} {r['hung']:>4} {r['broken']:>6} "
@@ -37,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--inject-at", type=float, default=15, help="load scenarios: the fault this many seconds in (default 15)")
     p.add_argument("--overload-rate", type=float, default=6.0,
                    help="overload: requests/s (default 6, about 3x what the default service answers on 2 cores)")
+    p.add_argument("--fuzz-examples", type=int, default=20, help="fuzz: generated requests per route (default 20)")
+    p.add_argument("--soak-minutes", type=float, default=30, help="soak: minutes of steady load (default 30; not in the default scenarios)")
     p.add_argument("--storm-streams", type=int, default=200, help="disconnect storm: streams cut at once (default 200)")
     p.add_argument("--report", default="reports/chaos", help="output folder (default reports/chaos)")
     p.set_defaults(func=cmd_chaos)

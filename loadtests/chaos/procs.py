@@ -1,5 +1,5 @@
 """The service's processes on this machine, by role, from ``/proc``: Ray names its actors' processes
-``ray::ServeReplica:<app>:<deployment>`` and ``ray::ProxyActor``. Used to inject faults (signals)
+``ray::ServeReplica:<app>:<deployment>``, ``ray::ProxyActor`` and ``ray::ServeController``. Used to inject faults (signals)
 and to read memory (RSS) before and after each scenario."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 import signal
 from pathlib import Path
 
-ROLES = ("ingress", "online", "offline", "predictor", "proxy")
+ROLES = ("ingress", "online", "offline", "predictor", "proxy", "controller")
+RAY_ACTORS = {"proxy": "ray::ProxyActor", "controller": "ray::ServeController"}
 
 
 def _cmdline(pid: int) -> str:
@@ -19,8 +20,8 @@ def _cmdline(pid: int) -> str:
 
 
 def pids(role: str, app: str = "foreserve") -> list[int]:
-    """Live processes of ``role`` (a deployment of ``app``, or ``proxy``)."""
-    want = "ray::ProxyActor" if role == "proxy" else f"ray::ServeReplica:{app}:{role}"
+    """Live processes of ``role`` (a deployment of ``app``, or Serve's ``proxy`` or ``controller``)."""
+    want = RAY_ACTORS.get(role, f"ray::ServeReplica:{app}:{role}")
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and _cmdline(int(entry)).startswith(want):

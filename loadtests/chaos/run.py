@@ -22,10 +22,11 @@ from pathlib import Path
 
 import yaml
 
-from loadtests.chaos import drain, probes, procs
+from loadtests.chaos import drain, fuzz, probes, procs, soak
+from loadtests.chaos.load import start_load
 from loadtests.chaos.score import overload, score
-from loadtests.loadtest import LoadSpec, Service, build_workload, get_json, run_locust, served_model
-from loadtests.summary import SLO, read_records
+from loadtests.loadtest import Service, get_json, served_model
+from loadtests.summary import read_records
 
 KEYS = ("chaos-key-a", "chaos-key-b")
 FAULTS = {
@@ -34,14 +35,18 @@ FAULTS = {
     "engine_freeze": "SIGSTOP the online engine replica (alive, answering nothing)",
     "predictor_kill": "SIGKILL the length predictor's replica under load",
     "predictor_freeze": "SIGSTOP the length predictor's replica under load (alive, answering nothing)",
+    "controller_kill": "SIGKILL Serve's controller under load (Ray restarts it)",
     "overload": "arrivals at --overload-rate (3x what the service answers) and no other fault",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
+    "fuzz": "schemathesis: requests generated from the service's OpenAPI schema, every route",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
     "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
+    "soak": "steady load for --soak-minutes with 5% of the answers cancelled mid-way; RSS slope per role",
     "drain": "SIGTERM to foreserve serve with streams open (ends the service: last)",
 }
 SIGNALS = {"engine_kill": ("online", signal.SIGKILL), "engine_freeze": ("online", signal.SIGSTOP),
-           "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP)}
+           "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP),
+           "controller_kill": ("controller", signal.SIGKILL)}
 LOAD = (*SIGNALS, "forward_error", "overload")
 STARTED_ONLY = ("forward_error", "drain")  # need the service this command started (its fault folder, its process)
 
@@ -97,15 +102,8 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
                   status: str | None, fault_dir: Path | None = None) -> dict:
-    """Locust at ``rate`` for ``duration_s`` (80% online, 20% flex), the fault at ``inject_s``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "requests.jsonl").unlink(missing_ok=True)
-    spec = LoadSpec(stages=f"steady:{duration_s:g}:{rate:g}", tier_mix={"online": 0.8, "flex": 0.2}, max_tokens=64,
-                    slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=20000, tpot_ms=2500)},
-                    drain_s=120)
-    build_workload(spec, out / "workload.jsonl")
-    locust = threading.Thread(target=run_locust, args=(spec, url, out, out / "workload.jsonl", key), daemon=True)
-    locust.start()
+    """Locust at ``rate`` for ``duration_s`` (``load.start_load``), the fault at ``inject_s``."""
+    locust = start_load(url, out, key, rate, duration_s)
     time.sleep(inject_s)
     fallbacks = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
     fault_at, t0 = time.time(), time.monotonic()
@@ -134,7 +132,7 @@ def _cont(pid: int) -> None:
 
 def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
               rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200,
-              overload_rate: float = 6.0) -> dict:
+              overload_rate: float = 6.0, fuzz_examples: int = 20, soak_minutes: float = 30.0) -> dict:
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
@@ -143,7 +141,7 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
                          "engine's config, its own process")
     if "drain" in scenarios[:-1]:
         raise ValueError("drain ends the service: it must be the last scenario")
-    if rate <= 0 or overload_rate <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
+    if rate <= 0 or overload_rate <= 0 or soak_minutes <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
         raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
                          f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
     report.mkdir(parents=True, exist_ok=True)
@@ -165,6 +163,10 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
                 row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":
                 row = probes.disconnect_storm(url, key, model, streams=storm_streams)
+            elif name == "soak":
+                row = soak.soak(url, report / name, key, rate, soak_minutes)
+            elif name == "fuzz":
+                row = fuzz.fuzz(url, key, fuzz_examples)
             elif name == "hostile_input":
                 row = probes.hostile_input(url, key, model)
             else:

@@ -7,10 +7,12 @@ HUNG = "not finished within the drain"  # the locustfile's error for a request s
 
 
 def classify(record: dict) -> str:
-    """``answered`` (every token asked for), ``clean_error`` (a status code with OpenAI's error body,
+    """``answered`` (every token asked for), ``cut`` (the client cancelled it on purpose), ``clean_error`` (a status code with OpenAI's error body,
     or an error chunk then [DONE]), ``hung`` (still open when the drain ended) or ``broken`` (a
     reset, a truncated stream, a body that is not OpenAI's error)."""
     error = record.get("error")
+    if record.get("cancelled") and not error:
+        return "cut"
     if not error:
         return "answered" if record.get("output_tokens", 0) >= record.get("max_tokens", 0) else "broken"
     if error == HUNG:
@@ -21,18 +23,22 @@ def classify(record: dict) -> str:
 
 
 def score(records: list[dict], fault_at: float | None) -> dict:
-    """Counts per class, and after the fault (wall-clock ``fault_at``): the first request that
-    started after it and was answered, in seconds from the fault (None: none was)."""
-    counts = {"sent": len(records), "answered": 0, "clean_error": 0, "hung": 0, "broken": 0}
+    """Counts per class; given the fault (wall-clock ``fault_at``), how many were sent before it and
+    how many of those were answered in full, and the first request that started after it and was
+    answered, in seconds from the fault (None: none was)."""
+    counts = {"sent": len(records), "answered": 0, "clean_error": 0, "cut": 0, "hung": 0, "broken": 0}
     for record in records:
         counts[classify(record)] += 1
-    recovery = None
-    if fault_at is not None:
+    recovery, before = None, {}
+    if fault_at is not None:  # sent before the fault: open when it struck (or done); each must be answered
+        sent_before = [r for r in records if r["start"] < fault_at]
+        before = {"sent_before_fault": len(sent_before),
+                  "answered_of_those": sum(classify(r) == "answered" for r in sent_before)}
         later = [r["start"] + r["e2e_ms"] / 1000 for r in records
                  if r["start"] >= fault_at and classify(r) == "answered"]
         recovery = round(min(later) - fault_at, 1) if later else None
     examples = sorted({r["error"][:160] for r in records if classify(r) in ("broken", "hung")})[:3]
-    return {**counts, "recovery_s": recovery, "broken_examples": examples}
+    return {**counts, **before, "recovery_s": recovery, "broken_examples": examples}
 
 
 def _pct(values: list[float], q: float) -> float | None:

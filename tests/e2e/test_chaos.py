@@ -30,9 +30,10 @@ def test_chaos_small(tmp_path, home_with_model):
     assert after["online"] == before["online"]
     # the offline pool may have been scaled to zero meanwhile (min_replicas 0): then it holds no KV
     assert after.get("offline") in (before.get("offline"), None)
-    for name in ("engine_kill", "forward_error"):
-        row = rows[name]
-        assert row["sent"] >= 5 and row["answered"] == row["sent"] and row["recovery_s"] is not None, (name, row)
+    for name in ("engine_kill", "forward_error"):  # the answers open at the fault are resumed on the replacement;
+        row = rows[name]  # later ones are answered or refused with 429 while the backlog is past max_queue_delay_ms
+        assert row["sent_before_fault"] >= 2 and row["answered_of_those"] == row["sent_before_fault"], (name, row)
+        assert row["answered"] + row["clean_error"] == row["sent"] and row["recovery_s"] is not None, (name, row)
     assert rows["forward_error"]["pids_hit"] and not (report / "faults" / "forward_error").exists()
     assert all(r["health_ok_after_s"] is not None for name, r in rows.items() if name != "drain")
     drained = rows["drain"]  # SIGTERM with 4 streams open: all answered, new requests 503 + Retry-After

@@ -40,3 +40,17 @@ def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
         with pytest.raises(ValueError, match="need --rate"):
             run_chaos(tmp_path, ["engine_kill"], **kwargs)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_cancelled_answer_is_cut_not_broken():
+    cancelled = {"status": 200, "error": None, "output_tokens": 0, "max_tokens": 64, "cancelled": True, "ttft_ms": 5.0}
+    assert classify(cancelled) == "cut"
+    assert classify({**cancelled, "cancelled": False}) == "broken"  # short without a reason
+
+
+def test_the_memory_slope_is_in_mb_per_hour():
+    from loadtests.chaos.soak import slope_mb_per_hour
+
+    assert slope_mb_per_hour([(0.0, 100.0), (1800.0, 105.0), (3600.0, 110.0)]) == 10.0
+    assert slope_mb_per_hour([(t, 500.0) for t in range(0, 600, 10)]) == 0.0
+    assert slope_mb_per_hour([(0.0, 1.0), (10.0, 2.0)]) is None  # too few samples to say

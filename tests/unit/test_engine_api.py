@@ -146,17 +146,19 @@ def test_new_requests_are_shed_while_the_oldest_waiting_one_is_past_the_queue_de
 
 def test_new_requests_are_shed_when_the_prompts_ahead_would_take_past_the_queue_delay():
     """The oldest request's wait lags: a burst is all taken before anyone has waited long. So a
-    new request is also refused when the prompt tokens still to prefill, at the tokens/s the engine
-    measured, would take longer than the limit."""
+    new request is also refused when the prompt tokens still to prefill ahead of it, at the pace
+    the engine measured, would take longer than the limit."""
     from app.engine.engine import EngineOverloaded
 
-    engine = make_engine("paged", kv_tokens=4096, max_queue_delay_ms=1000, step_s=0.01)  # 64 tokens per 10 ms step
+    engine = make_engine("paged", kv_tokens=8192, max_queue_delay_ms=1000, step_s=0.05)  # 64 tokens per 50 ms step
     add(engine, "warm", 64, 1)
-    engine.step()  # measures 6,400 tokens/s
-    for i in range(10):
-        add(engine, f"p{i}", 640, 5)  # the 10th's first token after 10 x 640 prompt tokens: 1.0 s
+    engine.step()  # measures 1,280 prompt tokens/s
+    add(engine, "lone", 2000, 5)  # 1.6 s of prefill, but its own, not queueing: taken
+    engine.abort("lone")
+    for i in range(3):
+        add(engine, f"p{i}", 640, 5)  # the 3rd has 2 x 640 prompt tokens ahead: 1.0 s
     with pytest.raises(EngineOverloaded, match="prefill"):
-        add(engine, "one too many", 640, 5)  # 1.1 s
+        add(engine, "one too many", 640, 5)  # 1.5 s
     assert engine.clock() < 0.1  # nobody has waited long yet
 
 
