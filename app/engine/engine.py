@@ -218,6 +218,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        backlog = self.shedder is not None and any(not r.output_token_ids for r in self.scheduler.requests.values())
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -226,14 +227,14 @@ class LLMEngine:
         if self._faults is not None:
             self._faults.before_forward()
         result = self.runner.execute(sched_out)
-        if self.shedder is not None:
-            self.shedder.observe(sched_out, result.step_s)
         self.forward_s += result.step_s
         self.clock.advance(result.step_s)
         self.scheduler.observe_step(sched_out.num_tokens, result.step_s)
         if self._trace is not None:
             self._trace.write(self.clock(), sched_out, result.step_s, self.scheduler, self.pool)
         touched = self.scheduler.update(sched_out, result)
+        if self.shedder is not None:
+            self.shedder.observe(backlog, sum(r.num_output_tokens == 1 for r in touched), result.step_s)
         self.output_tokens += len(touched)
         outputs = [self._output(req) for req in touched]
         failed = [rid for rid, token in result.sampled_token_ids.items() if token is None]

@@ -1,15 +1,23 @@
 """Load shedding for a latency pool (``EngineConfig.max_queue_delay_ms``): refuse a new request
 rather than queue it where its first token would come too late. Two tests, because the first lags:
-the oldest request without its first token has waited past the limit; or the prompt tokens still
-to prefill ahead of the new one would take past the limit at the pace the engine's recent steps
-prefilled (a burst is otherwise taken whole before anyone has waited long)."""
+
+- the oldest request still without its first token has waited past the limit;
+- the requests waiting for their first token, at the rate the engine gave first tokens while it
+  had such a backlog (Little's law: the wait of a new arrival), would take past the limit. A burst
+  is otherwise taken whole before anyone has waited long; the rate is measured only over steps
+  that began with a backlog, so an idle engine's pace never makes a lone request look late, and
+  a pool bound by its KV (admitting one request as another ends) shows its real, slow rate.
+"""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 
-from app.engine.outputs import SchedulerOutput
 from app.engine.request import Request
+
+WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
+MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
 
 
 class EngineOverloaded(RuntimeError):
@@ -19,25 +27,38 @@ class EngineOverloaded(RuntimeError):
 class LoadShedder:
     def __init__(self, limit_ms: float) -> None:
         self.limit_s = limit_ms / 1000
-        self.prefill_tokens_per_s: float | None = None  # EWMA over steps that carried prompt tokens
+        self._steps: collections.deque[tuple[int, float]] = collections.deque()  # (first tokens, seconds)
+        self._seconds = 0.0
+        self._firsts = 0
 
-    def observe(self, sched_out: SchedulerOutput, step_s: float) -> None:
-        # NOTE: measured beside the step's decode rows, as the waiting prompts will be prefilled
-        prefill = sum(len(c.token_ids) for c in sched_out.chunks if len(c.token_ids) > 1)
-        if prefill and step_s > 0:
-            pace = prefill / step_s
-            self.prefill_tokens_per_s = pace if self.prefill_tokens_per_s is None else 0.8 * self.prefill_tokens_per_s + 0.2 * pace
+    def observe(self, backlog: bool, first_tokens: int, step_s: float) -> None:
+        """One step: whether requests were waiting for their first token as it began, how many got it."""
+        if not backlog or step_s <= 0:
+            return
+        self._steps.append((first_tokens, step_s))
+        self._firsts += first_tokens
+        self._seconds += step_s
+        while self._seconds - self._steps[0][1] >= WINDOW_S:
+            firsts, seconds = self._steps.popleft()
+            self._firsts -= firsts
+            self._seconds -= seconds
+
+    @property
+    def first_tokens_per_s(self) -> float | None:
+        if self._seconds < MIN_WINDOW_S or not self._firsts:
+            return None
+        return self._firsts / self._seconds
 
     def check(self, requests: Iterable[Request], now_s: float) -> None:
         """Raise ``EngineOverloaded`` if a new request should be refused."""
-        pending = [r for r in requests if not r.output_token_ids]
-        waited = now_s - min(r.arrival_s for r in pending) if pending else 0.0
-        limit_ms = f"max_queue_delay_ms ({self.limit_s * 1000:g})"
+        pending = [r.arrival_s for r in requests if not r.output_token_ids]
+        if not pending:
+            return
+        limit = f"past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})"
+        waited = now_s - min(pending)
         if waited > self.limit_s:
-            raise EngineOverloaded(f"the oldest waiting request has waited {waited:.1f} s, past this pool's {limit_ms}")
-        if pace := self.prefill_tokens_per_s:
-            # NOTE: the new prompt's own prefill is not queueing: a lone long prompt is always taken
-            ahead = sum(r.num_prompt_tokens - r.num_computed_tokens for r in pending)
-            if ahead / pace > self.limit_s:
-                raise EngineOverloaded(f"{ahead} prompt tokens to prefill first would take {ahead / pace:.1f} s at "
-                                       f"{pace:.0f} tokens/s, past this pool's {limit_ms}")
+            raise EngineOverloaded(f"the oldest waiting request has waited {waited:.1f} s, {limit}")
+        rate = self.first_tokens_per_s
+        if rate and len(pending) / rate > self.limit_s:
+            raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
+                                   f"{len(pending) / rate:.1f} s, {limit}")

@@ -10,14 +10,16 @@ from loadtests.loadtest import LoadSpec, build_workload, run_locust
 from loadtests.summary import SLO
 
 
-def start_load(url: str, out: Path, key: str, rate: float, duration_s: float, cancel_fraction: float = 0.0) -> threading.Thread:
-    """Start ``rate`` req/s for ``duration_s`` (then up to 120 s for the requests in flight); each
-    request's record lands in ``out/requests.jsonl``. Join the thread to wait for the end."""
+def start_load(url: str, out: Path, key: str, rate: float, duration_s: float, cancel_fraction: float = 0.0,
+               drain_s: float = 120) -> threading.Thread:
+    """Start ``rate`` req/s for ``duration_s`` (then up to ``drain_s`` for the requests in flight:
+    one still open then counts as hung); each request's record lands in ``out/requests.jsonl``.
+    Join the thread to wait for the end."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "requests.jsonl").unlink(missing_ok=True)
     spec = LoadSpec(stages=f"steady:{duration_s:g}:{rate:g}", tier_mix={"online": 0.8, "flex": 0.2}, max_tokens=64,
                     slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=20000, tpot_ms=2500)},
-                    drain_s=120, cancel_fraction=cancel_fraction)
+                    drain_s=drain_s, cancel_fraction=cancel_fraction)
     build_workload(spec, out / "workload.jsonl")
     locust = threading.Thread(target=run_locust, args=(spec, url, out, out / "workload.jsonl", key), daemon=True)
     locust.start()

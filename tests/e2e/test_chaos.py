@@ -1,5 +1,5 @@
 """``foreserve chaos`` at small size on the real service it starts (two API keys): hostile input,
-tenants, a disconnect storm, under load an engine killed and an engine whose forward raises, and
+schema fuzzing, tenants, a disconnect storm, under load an engine killed and an engine whose forward raises, and
 last a drain (SIGTERM to the service with streams open). Nothing may hang or break; the open
 answers of a lost engine are resumed on its replacement; a drain finishes the open streams."""
 
@@ -16,13 +16,15 @@ def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
     report = tmp_path / "report"
-    summary = run_chaos(report, ["hostile_input", "tenants", "disconnect_storm", "engine_kill", "forward_error", "drain"], rate=0.5,
-                        duration_s=16, inject_s=4, storm_streams=40)
+    summary = run_chaos(report, ["hostile_input", "fuzz", "tenants", "disconnect_storm", "engine_kill", "forward_error", "drain"], rate=0.5,
+                        duration_s=16, inject_s=4, storm_streams=40, fuzz_examples=3)
     rows = {r["scenario"]: r for r in summary["scenarios"]}
     assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(summary, indent=1)[:4000]
     hostile = rows["hostile_input"]
     assert hostile["server_errors"] == 0 and hostile["clean_error"] == hostile["sent"]
     assert hostile["health_after"] == hostile["health_before"]  # degraded here: a fresh home has no champion yet
+    fuzzed = rows["fuzz"]  # schemathesis on the OpenAPI schema: no 5xx, every 4xx in OpenAI's shape
+    assert fuzzed["sent"] >= 20 and fuzzed["server_errors"] == 0 and fuzzed["broken"] == 0, fuzzed
     assert rows["tenants"]["tenant_leaks"] == 0 and rows["tenants"]["checks"]["a_sees_own"]
     storm = rows["disconnect_storm"]
     assert storm["cut"] + storm["clean_error"] == 40 and storm["settled_after_s"] is not None

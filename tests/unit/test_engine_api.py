@@ -144,22 +144,28 @@ def test_new_requests_are_shed_while_the_oldest_waiting_one_is_past_the_queue_de
     add(engine, "e", 10, 5)
 
 
-def test_new_requests_are_shed_when_the_prompts_ahead_would_take_past_the_queue_delay():
+def test_new_requests_are_shed_when_the_backlog_would_take_past_the_queue_delay():
     """The oldest request's wait lags: a burst is all taken before anyone has waited long. So a
-    new request is also refused when the prompt tokens still to prefill ahead of it, at the pace
-    the engine measured, would take longer than the limit."""
+    new request is also refused when the requests waiting for a first token, at the rate the
+    engine gave first tokens while it had a backlog, would take longer than the limit (here a KV
+    pool that holds two requests at a time)."""
     from app.engine.engine import EngineOverloaded
+    from tests.engine_helpers import run_all
 
-    engine = make_engine("paged", kv_tokens=8192, max_queue_delay_ms=1000, step_s=0.05)  # 64 tokens per 50 ms step
-    add(engine, "warm", 64, 1)
-    engine.step()  # measures 1,280 prompt tokens/s
-    add(engine, "lone", 2000, 5)  # 1.6 s of prefill, but its own, not queueing: taken
-    engine.abort("lone")
-    for i in range(3):
-        add(engine, f"p{i}", 640, 5)  # the 3rd has 2 x 640 prompt tokens ahead: 1.0 s
-    with pytest.raises(EngineOverloaded, match="prefill"):
-        add(engine, "one too many", 640, 5)  # 1.5 s
-    assert engine.clock() < 0.1  # nobody has waited long yet
+    engine = make_engine("reserve_max", kv_tokens=32, block=16, max_queue_delay_ms=1000, step_s=0.05)
+    add(engine, "lone", 10, 5)
+    engine.step()
+    assert engine.shedder.first_tokens_per_s is None  # no backlog yet: no rate, nothing shed
+    for i in range(12):
+        add(engine, f"b{i}", 10, 5)
+    run_all(engine)
+    rate = engine.shedder.first_tokens_per_s
+    assert rate == pytest.approx(2 / 0.25, rel=0.25)  # two first tokens per 5 steps of 0.05 s
+    ahead = int(rate * 1.0)  # this many waiting ahead of a new one: its first token within the 1 s limit
+    for i in range(ahead + 1):
+        add(engine, f"more{i}", 10, 5)
+    with pytest.raises(EngineOverloaded, match="wait for a first token"):
+        add(engine, "one too many", 10, 5)
 
 
 def test_without_a_queue_delay_limit_nothing_is_shed():
