@@ -116,9 +116,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
         resumed = request.resume_output_token_ids
-        # NOTE: a resumed answer is always taken; nothing is shed before the first step (kernels
-        # built on first use: a cold replica's first wait says nothing about its pace)
-        if self.shedder is not None and not resumed and self.scheduler.stats.steps:
+        if self.shedder is not None and not resumed:  # NOTE: a resumed answer is always taken
             self.shedder.check(self.scheduler.requests.values(), self.clock())
         if resumed and len(resumed) >= sampling.max_tokens:
             raise RequestRejected(f"nothing left to generate: {len(resumed)} of max_tokens {sampling.max_tokens} done")
@@ -234,7 +232,7 @@ class LLMEngine:
             self._trace.write(self.clock(), sched_out, result.step_s, self.scheduler, self.pool)
         touched = self.scheduler.update(sched_out, result)
         if self.shedder is not None:
-            self.shedder.observe(backlog, sum(r.num_output_tokens == 1 for r in touched), result.step_s)
+            self.shedder.observe(backlog, sum(r.num_output_tokens == 1 for r in touched), result.step_s, self.clock())
         self.output_tokens += len(touched)
         outputs = [self._output(req) for req in touched]
         failed = [rid for rid, token in result.sampled_token_ids.items() if token is None]

@@ -30,9 +30,13 @@ class LoadShedder:
         self._steps: collections.deque[tuple[int, float]] = collections.deque()  # (first tokens, seconds)
         self._seconds = 0.0
         self._firsts = 0
+        self.ready_s: float | None = None  # when the first step ended: waits before it are a cold start's
 
-    def observe(self, backlog: bool, first_tokens: int, step_s: float) -> None:
-        """One step: whether requests were waiting for their first token as it began, how many got it."""
+    def observe(self, backlog: bool, first_tokens: int, step_s: float, now_s: float) -> None:
+        """One step (ended at ``now_s``): whether requests were waiting for their first token as it
+        began, how many got it."""
+        if self.ready_s is None:
+            self.ready_s = now_s
         if not backlog or step_s <= 0:
             return
         self._steps.append((first_tokens, step_s))
@@ -50,8 +54,13 @@ class LoadShedder:
         return self._firsts / self._seconds
 
     def check(self, requests: Iterable[Request], now_s: float) -> None:
-        """Raise ``EngineOverloaded`` if a new request should be refused."""
-        pending = [r.arrival_s for r in requests if not r.output_token_ids]
+        """Raise ``EngineOverloaded`` if a new request should be refused. Nothing is refused before
+        the first step, and waits are counted from its end: a replica that just started (a
+        replacement, with the requests queued while there was none) says nothing about its pace
+        until it has stepped, and a backlog it is about to serve is no reason to turn work away."""
+        if self.ready_s is None:
+            return
+        pending = [max(r.arrival_s, self.ready_s) for r in requests if not r.output_token_ids]
         if not pending:
             return
         limit = f"past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})"

@@ -127,12 +127,17 @@ def test_new_requests_are_shed_while_the_oldest_waiting_one_is_past_the_queue_de
     from app.engine.engine import EngineOverloaded
 
     engine = make_engine("paged", max_queue_delay_ms=1000)
+    add(engine, "cold", 10, 1)
+    engine.clock.idle_until(5.0)  # a cold start: nothing is shed before the first step...
     add(engine, "warm", 10, 1)
-    engine.step()  # nothing is shed before the first step
+    engine.step()
+    add(engine, "queued while cold", 10, 1)  # ...and waits count from its end
+    engine.step()
+    engine.clock.idle_until(5.5)
     add(engine, "a", 10, 5)
-    engine.clock.idle_until(0.5)
+    engine.clock.idle_until(6.0)
     add(engine, "b", 10, 5)  # a has waited 0.5 s: taken
-    engine.clock.idle_until(1.5)
+    engine.clock.idle_until(7.0)
     with pytest.raises(EngineOverloaded, match="waited 1.49 s|waited 1.5 s"):
         add(engine, "c", 10, 5)
     assert "c" not in engine.scheduler.requests
