@@ -162,8 +162,13 @@ def disconnect_storm(url: str, key: str, model: str, streams: int = 200, cut_s: 
     kv_before = {name: p.get("kv_free_tokens") for name, p in _pools(url).items()}
     outcomes = asyncio.run(_storm(url, headers, body, streams, cut_s))
     t0 = time.monotonic()
-    fresh = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
-                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    for retry in range(4):  # NOTE: as a client does, a 429 is sent again after its Retry-After (the storm's
+        # cancellations may not have reached the engine yet, which sheds on what it still holds)
+        fresh = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
+                           json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        if fresh.status_code != 429 or not fresh.headers.get("retry-after"):
+            break
+        time.sleep(float(fresh.headers["retry-after"]))
     fresh_s = round(time.monotonic() - t0, 1)
     deadline, settled_s, pools, trace = time.monotonic() + settle_s, None, {}, []
     while time.monotonic() < deadline:
@@ -181,6 +186,7 @@ def disconnect_storm(url: str, key: str, model: str, streams: int = 200, cut_s: 
     return {"sent": streams + 1, "answered": int(fresh.status_code == 200) + outcomes.get("200", 0),
             "clean_error": outcomes.get("429", 0), "cut": outcomes.get("cut", 0), "hung": 0,
             "broken": broken + sum(unclean.values()), "storm": outcomes, "fresh_request_s": fresh_s,
+            "fresh_request_retries": retry,
             "settled_after_s": settled_s, "running_and_waiting": trace[::5] + trace[-1:], "kv_free_before": kv_before,
             "kv_free_after": {n: p.get("kv_free_tokens") for n, p in pools.items()},
             "broken_examples": [f"{o} x{n}" for o, n in unclean.items()]}
