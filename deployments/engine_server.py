@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 import uuid
-import os
 from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field

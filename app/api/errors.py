@@ -38,15 +38,9 @@ def too_large(limit_bytes: int) -> APIError:
     return APIError(413, f"Request body exceeds {limit_bytes} bytes.", code="request_too_large")
 
 
-def overloaded(retry_after_s: int, tier: str) -> APIError:
-    return APIError(429, f"The {tier} pool is at its queue limit; retry after {retry_after_s} s.",
+def overloaded(retry_after_s: int, tier: str, why: str = "is at its queue limit") -> APIError:
+    return APIError(429, f"The {tier} pool {why}; retry after {retry_after_s} s.",
                     type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
-
-
-def shed(retry_after_s: int, tier: str) -> APIError:
-    return APIError(429, f"The {tier} pool is too busy to answer in time (its queue is past its delay limit); "
-                    f"retry after {retry_after_s} s.", type="rate_limit_error", code="queue_full",
-                    headers={"Retry-After": str(retry_after_s)})
 
 
 def shutting_down(retry_after_s: int) -> APIError:

@@ -8,29 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import httpx
+
+from loadtests.chaos import procs
 
 SHM = "/dev/shm"
 
 
 def _shm() -> set[str]:
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
-
-
-def _session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the command's: it runs in a session of its own)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    alive.append(int(entry))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return alive
 
 
 def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Event) -> None:
@@ -85,7 +75,10 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
     for first in firsts:
         first.wait(120)
     t0 = time.monotonic()
-    os.killpg(service.proc.pid, signal.SIGINT) if group else service.proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(service.proc.pid, signal.SIGINT)
+    else:
+        service.proc.send_signal(signal.SIGTERM)
     probes = []
     while service.proc.poll() is None and time.monotonic() - t0 < timeout_s:
         probes.append(_probe(url, headers, model))
@@ -96,11 +89,11 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
         t.join(max(1.0, timeout_s - (time.monotonic() - t0)))
     try:
         code = service.proc.wait(max(1.0, timeout_s - (time.monotonic() - t0)))
-    except Exception:  # noqa: BLE001 - still running: reported as not stopped
+    except subprocess.TimeoutExpired:  # still running: reported as not stopped
         code = None
     stopped_s = round(time.monotonic() - t0, 1)
     time.sleep(5)  # what a clean stop leaves must be gone by now
-    left = _session(service.proc.pid)
+    left = procs.session(service.proc.pid)
     counts = {o: probes.count(o) for o in sorted(set(probes))}
     streamed = [out.get("outcome", "hung") for out in outs]
     unclean = [p for p in probes if p not in ("200", "503+retry", "refused")]

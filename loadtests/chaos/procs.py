@@ -29,6 +29,19 @@ def pids(role: str, app: str = "foreserve") -> list[int]:
     return sorted(found)
 
 
+def session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a command started in a session of its own, and its children)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    alive.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return alive
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

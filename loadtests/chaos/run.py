@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from app.engine.faults import FORWARD_ERROR
 from loadtests.chaos import drain, fuzz, probes, procs, soak
 from loadtests.chaos.load import start_load
 from loadtests.chaos.score import overload, score
@@ -69,7 +70,7 @@ def inject(name: str, fault_dir: Path | None) -> list[int]:
         return []
     if name == "forward_error":
         fault_dir.mkdir(parents=True, exist_ok=True)
-        (fault_dir / "forward_error").touch()
+        (fault_dir / FORWARD_ERROR).touch()
         return procs.pids("online")
     role, sig = SIGNALS[name]
     return procs.signal_role(role, sig)
