@@ -143,9 +143,15 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
                          "engine's config, its own process")
     if "drain" in scenarios[:-1]:
         raise ValueError("drain ends the service: it must be the last scenario")
-    if rate <= 0 or overload_rate <= 0 or soak_minutes <= 0 or duration_s <= 0 or not 0 <= inject_s < duration_s or storm_streams < 1:
-        raise ValueError(f"need --rate > 0 (got {rate:g}), --duration > 0 (got {duration_s:g}), 0 <= --inject-at < "
-                         f"--duration (got {inject_s:g}) and --storm-streams >= 1 (got {storm_streams})")
+    wrong = [f"--{name} {value:g} (must be > 0)" for name, value in (("rate", rate), ("overload-rate", overload_rate),
+                                                                      ("soak-minutes", soak_minutes), ("duration", duration_s))
+             if value <= 0]
+    wrong += [f"--{name} {value} (must be >= 1)" for name, value in (("storm-streams", storm_streams),
+                                                                    ("fuzz-examples", fuzz_examples)) if value < 1]
+    if not 0 <= inject_s < duration_s:
+        wrong.append(f"--inject-at {inject_s:g} (must be >= 0 and below --duration {duration_s:g})")
+    if wrong:
+        raise ValueError("need " + "; ".join(wrong))
     report.mkdir(parents=True, exist_ok=True)
     service, fault_dir = None, report / "faults"
     if host is None:

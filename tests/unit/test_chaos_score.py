@@ -36,8 +36,10 @@ def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
 
     with pytest.raises(ValueError, match="unknown scenarios"):
         run_chaos(tmp_path, ["nope"])
-    for kwargs in ({"rate": 0}, {"duration_s": 10, "inject_s": 10}, {"storm_streams": 0}):
-        with pytest.raises(ValueError, match="need --rate"):
+    for kwargs, named in (({"rate": 0}, "--rate 0"), ({"duration_s": 10, "inject_s": 10}, "--inject-at 10"),
+                          ({"storm_streams": 0}, "--storm-streams 0"), ({"overload_rate": -1}, "--overload-rate -1"),
+                          ({"soak_minutes": 0}, "--soak-minutes 0"), ({"fuzz_examples": 0}, "--fuzz-examples 0")):
+        with pytest.raises(ValueError, match=f"^need .*{named} \\(must be"):
             run_chaos(tmp_path, ["engine_kill"], **kwargs)
     assert not list(tmp_path.iterdir())
 
