@@ -11,6 +11,7 @@ stopping it stops them all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,7 +69,7 @@ class TrackingServer:
                 raise RuntimeError(f"mlflow server exited with code {code} before answering{where}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and self.process.poll() is None:  # ours, not another's port
                         return self.url
             except OSError:
                 pass
@@ -77,7 +78,9 @@ class TrackingServer:
         raise RuntimeError(f"mlflow server did not answer at {self.url}/health within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server and its workers (SIGTERM to its process group, SIGKILL after ``timeout_s``)."""
+        """Stop the server and its workers: SIGTERM to its process group, SIGKILL after ``timeout_s``.
+        Returns once no process of the group is left (uvicorn's workers and its resource tracker
+        outlive the ``mlflow`` process that leads the group by a moment)."""
         if self.process is None:
             return
         process, self.process = self.process, None
@@ -86,11 +89,10 @@ class TrackingServer:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
                 break
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout_s)
+            if _group_gone(process.pid, timeout_s):
                 break
-            except subprocess.TimeoutExpired:
-                continue
 
     def __enter__(self) -> "TrackingServer":
         self.start()
@@ -98,3 +100,16 @@ class TrackingServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no process is in group ``pgid`` (zombies included: an orphan is reaped by init a
+    moment after its parent ends); False if some are left after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -72,7 +72,8 @@ def test_a_stopped_server_leaves_no_process_and_nothing_in_dev_shm(tmp_path: Pat
         group = server.process.pid
         from mlflow import MlflowClient
 
-        assert MlflowClient(server.url).search_registered_models() == []
+        # the registry URI too: predictor.registry.configure() set MLflow's global one to an earlier store
+        assert MlflowClient(server.url, registry_uri=server.url).search_registered_models() == []
     assert _shm() - before == set(), "left in /dev/shm"
     alive = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == group]
     assert alive == [], f"processes of the server's group still running: {alive}"
