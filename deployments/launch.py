@@ -140,7 +140,7 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     from ray.serve.schema import ServeDeploySchema
 
     from app.config import DEFAULT_CONFIG_PATH, AppConfig, load_yaml
-    from app.ray_local import init_local
+    from app.ray_local import init_local, join_cluster
 
     t0 = time.perf_counter()
     path = Path(config_path) if config_path else DEFAULT_CONFIG_PATH
@@ -165,8 +165,12 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         {"proxy_location": proxy_location, "http_options": http, "applications": [entry]}
     )
     # NOTE: the dashboard serves the Jobs API that batch jobs (and /v1/batches) are submitted to
-    init = ray.init if joined else init_local  # NOTE: a local cluster left dead by a crash: start a fresh one
-    init(runtime_env={"env_vars": env}, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    options = {"runtime_env": {"env_vars": env}, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+               "log_to_driver": True}
+    if joined:  # NOTE: a head whose GCS is down fails here in seconds (Ray would retry for minutes)
+        join_cluster(os.environ["RAY_ADDRESS"], **options)
+    else:  # NOTE: a local cluster left dead by a crash: start a fresh one
+        init_local(**options)
     nodes = ray.nodes()
     check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
     check_replicas_fit_a_node(entry.get("deployments") or [], nodes)

@@ -166,6 +166,25 @@ def s3_cluster(tmp_path_factory: pytest.TempPathFactory, s3_uri: str):
         yield started
 
 
+GCS_RECONNECT_S = 120  # how long nodes and drivers wait for a lost GCS (Ray's default: 60 s)
+
+
+@pytest.fixture(scope="module")
+def gcs_ft_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """``cluster`` with Ray's GCS fault tolerance: the head keeps the GCS's tables in a Redis server
+    (``tests.services.redis``; ``RAY_REDIS_ADDRESS``, read as the head starts) and its GCS on a fixed
+    port, so that a GCS restarted with ``cluster.cluster.head_node.start_gcs_server()`` is found where
+    the nodes left it; they wait ``GCS_RECONNECT_S`` for it."""
+    from app.ports import free_port
+    from tests.services import redis
+
+    with redis() as address, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_REDIS_ADDRESS", address)
+        mp.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_RECONNECT_S))  # nodes inherit it
+        with _local_cluster(tmp_path_factory.mktemp("cluster"), head_args={"gcs_server_port": free_port()}) as started:
+            yield started
+
+
 @contextlib.contextmanager
 def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dict | None = None) -> Iterator[LocalCluster]:
     """The nodes of ``LocalCluster`` under ``root``, ``env`` added to each node's environment and

@@ -1,6 +1,7 @@
 """Real servers a test starts for itself and stops after: PostgreSQL (Debian's ``postgresql``, installed
 when missing) in a private data folder on a free port, for MLflow's tracking server; an S3-compatible
-object store (moto's server) for foreserve's store."""
+object store (moto's server) for foreserve's store; Redis (Debian's ``redis-server``, installed when
+missing) for Ray's GCS fault tolerance."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +26,16 @@ from app.ports import free_port
 PG_VERSION = "15"
 
 
+def _apt_install(package: str) -> None:
+    subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, capture_output=True,
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
 def _pg_bin() -> Path:
     root = Path(f"/usr/lib/postgresql/{PG_VERSION}/bin")
     if not (root / "initdb").exists():
-        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", f"postgresql-{PG_VERSION}"], check=True, capture_output=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        _apt_install(f"postgresql-{PG_VERSION}")
     return root
 
 
@@ -103,3 +109,32 @@ def s3_server(bucket: str = "foreserve") -> Iterator[str]:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         os.unlink(log.name)
+
+
+@contextlib.contextmanager
+def redis() -> Iterator[str]:
+    """A Redis server on a free port of 127.0.0.1, its folder fresh under /tmp, persistence off (Ray's
+    GCS keeps what it needs to restart there while the server runs); yields ``host:port``, as Ray's
+    ``RAY_REDIS_ADDRESS`` takes it. Shut down and removed after."""
+    if shutil.which("redis-server") is None:
+        _apt_install("redis-server")
+    folder = Path(tempfile.mkdtemp(prefix="foreserve-redis-"))
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--dir", str(folder),
+                             "--save", "", "--appendonly", "no", "--logfile", str(folder / "redis.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(folder / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)

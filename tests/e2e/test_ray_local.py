@@ -75,3 +75,18 @@ def test_batch_commands_after_a_crashed_cluster_say_so_in_seconds(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert dead in proc.stderr and "gone" in proc.stderr and took < 20, (took, proc.stderr[-1000:])
+
+
+def test_joining_a_cluster_whose_gcs_is_down_fails_in_seconds_and_says_why():
+    """``RAY_ADDRESS`` naming a head whose GCS is down (or restarting): ``foreserve serve`` says so in
+    seconds, where ``ray.init`` retries for a minute and more (``tests/multinode/test_gcs_restart.py``
+    has it against a real head)."""
+    import ray
+
+    from app.ray_local import join_cluster
+
+    address = f"127.0.0.1:{_closed_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"the Ray cluster at {address} does not answer: nothing listens at its GCS"):
+        join_cluster(address, tries=2)
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
