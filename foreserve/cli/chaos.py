@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT = "engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,overload,disconnect_storm,fuzz,hostile_input,tenants,drain"
+DEFAULT = "engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,redeploy,overload,disconnect_storm,fuzz,hostile_input,tenants,drain"
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from app.engine.faults import FORWARD_ERROR
-from loadtests.chaos import drain, fuzz, probes, procs, soak
+from loadtests.chaos import drain, fuzz, probes, procs, redeploy, soak
 from loadtests.chaos.load import start_load
 from loadtests.chaos.score import overload, score
 from loadtests.loadtest import Service, get_json, served_model
@@ -37,6 +37,7 @@ FAULTS = {
     "predictor_kill": "SIGKILL the length predictor's replica under load",
     "predictor_freeze": "SIGSTOP the length predictor's replica under load (alive, answering nothing)",
     "controller_kill": "SIGKILL Serve's controller under load (Ray restarts it)",
+    "redeploy": "the app deployed again (a changed runtime_env) under load: Serve replaces every replica",
     "overload": "arrivals at --overload-rate (3x what the service answers) and no other fault",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "fuzz": "schemathesis: requests generated from the service's OpenAPI schema, every route",
@@ -48,8 +49,9 @@ FAULTS = {
 SIGNALS = {"engine_kill": ("online", signal.SIGKILL), "engine_freeze": ("online", signal.SIGSTOP),
            "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP),
            "controller_kill": ("controller", signal.SIGKILL)}
-LOAD = (*SIGNALS, "forward_error", "overload")
-STARTED_ONLY = ("forward_error", "drain")  # need the service this command started (its fault folder, its process)
+LOAD = (*SIGNALS, "forward_error", "redeploy", "overload")
+STARTED_ONLY = ("forward_error", "redeploy", "drain")  # need the service this command started (its fault folder,
+# its local cluster, its process)
 
 
 def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
@@ -68,6 +70,10 @@ def inject(name: str, fault_dir: Path | None) -> list[int]:
     """Cause fault ``name`` now; the pids it hit (a file-triggered fault hits the replica reading it)."""
     if name == "overload":  # the load is the fault
         return []
+    if name == "redeploy":
+        before = procs.pids("online")
+        redeploy.redeploy()
+        return before
     if name == "forward_error":
         fault_dir.mkdir(parents=True, exist_ok=True)
         (fault_dir / FORWARD_ERROR).touch()
@@ -140,7 +146,7 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
     if host and (started := [s for s in scenarios if s in STARTED_ONLY]):
         raise ValueError(f"{started} need the service this command starts (no --host): a fault folder in its "
-                         "engine's config, its own process")
+                         "engine's config, its local cluster, its own process")
     if "drain" in scenarios[:-1]:
         raise ValueError("drain ends the service: it must be the last scenario")
     wrong = [f"--{name} {value:g} (must be > 0)" for name, value in (("rate", rate), ("overload-rate", overload_rate),

@@ -1,7 +1,8 @@
 """``foreserve chaos`` at small size on the real service it starts (two API keys): hostile input,
-schema fuzzing, tenants, a disconnect storm, under load an engine killed and an engine whose forward raises, and
-last a drain (SIGTERM to the service with streams open). Nothing may hang or break; the open
-answers of a lost engine are resumed on its replacement; a drain finishes the open streams."""
+schema fuzzing, tenants, a disconnect storm; under load an engine killed, an engine whose forward
+raises, and a redeploy that replaces every replica; last a drain (SIGTERM to the service with
+streams open). Nothing may hang or break; the open answers of a lost or replaced engine are
+resumed on its replacement; a drain finishes the open streams."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
     report = tmp_path / "report"
-    summary = run_chaos(report, ["hostile_input", "fuzz", "tenants", "disconnect_storm", "engine_kill", "forward_error", "drain"], rate=0.5,
-                        duration_s=16, inject_s=8, storm_streams=40, fuzz_examples=3)
+    scenarios = ["hostile_input", "fuzz", "tenants", "disconnect_storm", "engine_kill", "forward_error", "redeploy", "drain"]
+    summary = run_chaos(report, scenarios, rate=0.5, duration_s=16, inject_s=8, storm_streams=40, fuzz_examples=3)
     rows = {r["scenario"]: r for r in summary["scenarios"]}
     assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(summary, indent=1)[:4000]
     hostile = rows["hostile_input"]
@@ -32,7 +33,7 @@ def test_chaos_small(tmp_path, home_with_model):
     assert after["online"] == before["online"]
     # the offline pool may have been scaled to zero meanwhile (min_replicas 0): then it holds no KV
     assert after.get("offline") in (before.get("offline"), None)
-    for name in ("engine_kill", "forward_error"):  # the answers open at the fault are resumed on the replacement;
+    for name in ("engine_kill", "forward_error", "redeploy"):  # the answers open at the fault are resumed on the replacement;
         row = rows[name]  # later ones are answered or refused with 429 while the backlog is past max_queue_delay_ms
         assert row["sent_before_fault"] >= 1 and row["answered_of_those"] == row["sent_before_fault"], (name, row)
         assert row["answered"] + row["clean_error"] == row["sent"] and row["recovery_s"] is not None, (name, row)
