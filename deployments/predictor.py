@@ -76,6 +76,7 @@ class LengthPredictorServer:
         from predictor import registry
 
         try:
+            self.store.check_answers()  # NOTE: a lost tracking server in seconds, not after MLflow's retries
             champion = registry.champion_version(registry.configure(self.store))
         except Exception as exc:  # noqa: BLE001 - a registry hiccup must not stop serving
             logger.warning("registry poll failed: %s", exc)
@@ -100,7 +101,7 @@ class LengthPredictorServer:
         while not self._stop.wait(self.config.poll_s):
             try:
                 self.refresh()
-                if self.trigger is not None:
+                if self.trigger is not None and self.registry_error is None:  # retraining registers there
                     self.trigger.tick(getattr(self._predictor, "spec", None))
             except Exception:  # noqa: BLE001 - one bad poll (a version that fails its warm-up,
                 # a feedback file gone mid-scan) must not end hot swap and retraining for good

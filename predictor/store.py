@@ -13,6 +13,7 @@ Also the download cache's checks, shared by ``loading`` (which must not import M
 from __future__ import annotations
 
 import json
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,19 @@ class Store:
         if self.uri().split(":", 1)[0] in _REMOTE_SCHEMES:
             return None
         return self.mlflow_dir / "artifacts"
+
+    def check_answers(self, timeout_s: float = 5.0) -> None:
+        """Raise ``ConnectionError`` within ``timeout_s`` when the store is a tracking server (http or
+        https) that does not answer its ``/health``: MLflow's own client retries a lost server with
+        backoff for minutes before it gives up. Other stores: nothing to ask."""
+        uri = self.uri()
+        if uri.split(":", 1)[0] not in ("http", "https"):
+            return
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+                pass
+        except OSError as exc:  # URLError, a refused or timed-out connection, an HTTP error status
+            raise ConnectionError(f"the registry at {uri} does not answer ({exc})") from None
 
     def cache_dir(self, version: str | None = None) -> Path:
         """Where registry version ``version``'s download is kept (None: the folder of all of them)."""

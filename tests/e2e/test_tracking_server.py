@@ -5,6 +5,7 @@ registers a version and another one, elsewhere, loads it."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -84,3 +85,31 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_a_stopped_registry_server_is_noticed_within_a_poll_and_the_champion_keeps_serving(tmp_path: Path):
+    """The registry's MLflow server stops (a real one, its processes gone) and comes back on the same
+    port and database: the predictor serves its champion throughout, a poll during the outage reports
+    it within seconds (``/health`` says ``degraded``, ``deployments/health.py``) instead of waiting
+    through MLflow's retries, and the first poll after the restart clears it."""
+    from deployments.predictor import LengthPredictorServer
+
+    port, db = free_port(), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = Store(tmp_path / "replica", f"http://127.0.0.1:{port}")
+    seen: list[bool] = []
+    with TrackingServer(db, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow.log"):
+        train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=Store(tmp_path / "trainer", store.uri()))
+        server = LengthPredictorServer({"poll_s": 3600}, store=store, on_registry=seen.append)  # polled by hand
+    try:
+        assert server.version == "1"
+        t0 = time.monotonic()
+        assert not server.refresh()  # the server is gone
+        took = time.monotonic() - t0
+        assert server.registry_error is not None and "ConnectionError" in server.registry_error, server.registry_error
+        assert took < 15, f"a poll took {took:.0f} s to notice the registry was gone"
+        assert [p["version"] for p in server.predict_batch(["hi", "write an essay"])] == ["1", "1"]
+        with TrackingServer(db, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-2.log"):
+            assert not server.refresh() and server.registry_error is None  # back, the same champion
+        assert seen == [False, True]
+    finally:
+        server.close()
