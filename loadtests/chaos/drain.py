@@ -23,20 +23,31 @@ def _shm() -> set[str]:
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
 
 
-def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Event) -> None:
+def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Event, tries: int = 10) -> None:
     """One streamed chat: ``out`` gets ``answered`` (usage says every token asked for, then [DONE])
-    or what went wrong."""
+    or what went wrong. A 429 with Retry-After (the engine shedding the backlog a previous scenario
+    left) is sent again after it, as a client would; ``first`` is set once the stream is open."""
     tokens, done, error = None, False, None
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body, timeout=600) as response:
-            for line in response.iter_lines():
-                first.set()
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line.removeprefix("data: "))
-                    error = chunk.get("error", error)
-                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+        for _ in range(tries):
+            with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body, timeout=600) as response:
+                if response.status_code == 429 and (wait := response.headers.get("retry-after")):
+                    time.sleep(float(wait))
+                    continue
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code}"
+                    break
+                for line in response.iter_lines():
+                    first.set()
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line.removeprefix("data: "))
+                        error = chunk.get("error", error)
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                break
+        else:
+            error = f"429 {tries} times"
     except httpx.HTTPError as exc:
         error = type(exc).__name__
     first.set()
