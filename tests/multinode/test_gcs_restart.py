@@ -72,7 +72,7 @@ def _stream(url: str, out: list[dict]) -> None:
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "Tell me a story."}]}
     got = {"tokens": 0, "errors": [], "done": False}
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line == "data: [DONE]":
                     got["done"] = True
@@ -147,12 +147,12 @@ def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_l
         during, took = [], []
         for _ in range(3):
             t0 = time.monotonic()
-            during.append(_chat(url, timeout_s=30).status_code)
+            during.append(_chat(url, timeout_s=60).status_code)
             took.append(time.monotonic() - t0)
-        health = httpx.get(f"{url}/health", timeout=30)
+        health = httpx.get(f"{url}/health", timeout=60)
         for t in threads:
-            t.join(30)
-        deployer.join(45)
+            t.join(60)
+        deployer.join(60)
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed)))
     finally:
         head.start_gcs_server()
