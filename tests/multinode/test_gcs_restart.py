@@ -61,7 +61,8 @@ def _replicas() -> dict[str, list[str]]:
 
 
 def _chat(url: str, max_tokens: int = 8, timeout_s: float = 60) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}]}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
 
 
@@ -165,8 +166,8 @@ def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_l
     assert "GCS" in deploy["stderr"] and "Traceback" not in deploy["stderr"], deploy
 
     _wait(lambda: _chat(url).status_code == 200, 60, "a chat answered after the GCS came back")
-    print(f"GCS down {restarted - killed:.0f} s: chats answered in {', '.join(f'{t:.1f}' for t in took)} s; "
-          f"the deploy failed after {deploy['s']:.1f} s; a chat answered {time.monotonic() - restarted:.1f} s after the restart")
+    print(f"GCS down {restarted - killed:.0f} s: chats answered in {', '.join(f'{t:.1f}' for t in took)} s; the deploy "
+          f"failed after {deploy['s']:.1f} s; a chat answered {time.monotonic() - restarted:.1f} s after the restart")
     assert _replicas() == before  # the same replicas: nothing was restarted
 
     @serve.deployment(ray_actor_options={"num_cpus": 0, "resources": {"node_a": 0.01}})
