@@ -23,12 +23,12 @@ import yaml
 
 from app.config import DEFAULT_CONFIG_PATH
 from app.ports import free_port
+from tests.multinode.serving import MODEL, chat, deploy, wait_for
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 PLACES = {"ingress": ("node_a", 0.1), "predictor": ("node_a", 0.25), "online": ("node_b", 0.5), "offline": ("node_c", 0.5)}
 OUTAGE_S = 45  # below tests.conftest.GCS_RECONNECT_S, after which raylets and drivers give the GCS up and end
-MODEL = "SmolLM2-135M-Instruct"
 
 
 def _config(tmp_path: Path) -> Path:
@@ -60,12 +60,6 @@ def _replicas() -> dict[str, list[str]]:
             for app in details["applications"].values() for name, d in app["deployments"].items()}
 
 
-def _chat(url: str, max_tokens: int = 8, timeout_s: float = 60) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": "Say hello."}]}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
-
-
 def _stream(url: str, out: list[dict]) -> None:
     """A streamed chat of 48 tokens; appends what came back: the tokens its usage counts, the error
     chunks, whether ``data: [DONE]`` ended it."""
@@ -86,7 +80,7 @@ def _stream(url: str, out: list[dict]) -> None:
     out.append(got)
 
 
-def _deploy(config: Path, address: str, since: float, out: dict) -> None:
+def _join(config: Path, address: str, since: float, out: dict) -> None:
     """``foreserve serve`` joining the cluster at ``address``; ``out``: its exit code (None: killed
     after 40 s), its stderr, and the seconds from ``since`` to its end."""
     proc = subprocess.Popen([sys.executable, "-m", "foreserve.cli.main", "serve", "--no-prepare", "--config", str(config),
@@ -102,35 +96,13 @@ def _deploy(config: Path, address: str, since: float, out: dict) -> None:
     out["stderr"] = stderr[-2000:]
 
 
-def _wait(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s")
-
-
 def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_loudly(gcs_ft_cluster, tmp_path: Path):
     from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
 
-    from deployments.launch import application_schema
-
-    port = free_port()
     config = _config(tmp_path)
-    env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    http = {"host": "127.0.0.1", "port": port}
-    serve.start(proxy_location="HeadOnly", http_options=http)
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(
-        {"proxy_location": "HeadOnly", "http_options": http, "applications": [application_schema(config, env)]}))
-    url = f"http://127.0.0.1:{port}"
-    _wait(lambda: httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok", 300, "the service up")
-    assert _chat(url).status_code == 200
+    url, _ = deploy(config, {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok", 300, "the service up")
+    assert chat(url).status_code == 200
     before = _replicas()
 
     streams: list[dict] = []
@@ -142,13 +114,13 @@ def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_l
     head.kill_gcs_server()
     killed = time.monotonic()
     try:  # every wait below is bounded: the nodes and this driver give a GCS up after GCS_RECONNECT_S (conftest)
-        deploy: dict = {}  # a deploy meanwhile: `foreserve serve` joining the cluster, in a thread of its own
-        deployer = threading.Thread(target=_deploy, args=(config, gcs_ft_cluster.address, killed, deploy))
+        joining: dict = {}  # a deploy meanwhile: `foreserve serve` joining the cluster, in a thread of its own
+        deployer = threading.Thread(target=_join, args=(config, gcs_ft_cluster.address, killed, joining))
         deployer.start()
         during, took = [], []
         for _ in range(3):
             t0 = time.monotonic()
-            during.append(_chat(url, timeout_s=60).status_code)
+            during.append(chat(url, timeout_s=60).status_code)
             took.append(time.monotonic() - t0)
         health = httpx.get(f"{url}/health", timeout=60)
         for t in threads:
@@ -162,12 +134,12 @@ def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_l
     assert during == [200, 200, 200]
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
     assert streams == [{"tokens": 48, "errors": [], "done": True}] * 3  # answered in full
-    assert deploy["code"] not in (0, None), deploy  # it ended, and in failure
-    assert "GCS" in deploy["stderr"] and "Traceback" not in deploy["stderr"], deploy
+    assert joining["code"] not in (0, None), joining  # it ended, and in failure
+    assert "GCS" in joining["stderr"] and "Traceback" not in joining["stderr"], joining
 
-    _wait(lambda: _chat(url).status_code == 200, 60, "a chat answered after the GCS came back")
+    wait_for(lambda: chat(url).status_code == 200, 60, "a chat answered after the GCS came back")
     print(f"GCS down {restarted - killed:.0f} s: chats answered in {', '.join(f'{t:.1f}' for t in took)} s; the deploy "
-          f"failed after {deploy['s']:.1f} s; a chat answered {time.monotonic() - restarted:.1f} s after the restart")
+          f"failed after {joining['s']:.1f} s; a chat answered {time.monotonic() - restarted:.1f} s after the restart")
     assert _replicas() == before  # the same replicas: nothing was restarted
 
     @serve.deployment(ray_actor_options={"num_cpus": 0, "resources": {"node_a": 0.01}})

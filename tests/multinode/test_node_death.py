@@ -22,6 +22,7 @@ from app.ports import free_port
 from predictor.store import Store
 from predictor.tracking_server import TrackingServer
 from predictor.training.pipeline import train_and_register
+from tests.multinode.serving import MODEL, chat, deploy, wait_for
 from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow,
@@ -69,56 +70,29 @@ def _replace_node(cluster, name: str, root: Path) -> None:
     cluster.cluster.wait_for_nodes()
 
 
-def _chat(url: str, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": "Say hello."}]}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-
-
-def _wait(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except (httpx.HTTPError, ValueError, KeyError) as exc:  # not up yet: no route, no JSON, no pool
-            last = exc
-        time.sleep(1)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s (last error: {last})")
-
-
 def test_the_service_survives_the_death_of_the_predictor_node_then_the_ingress_node(cluster, tmp_path: Path):
     from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    from deployments.launch import application_schema
 
     server = TrackingServer(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"), port=free_port(),
                             log_path=tmp_path / "mlflow.log")
     with server:
-        assert train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=Store(tmp_path / "driver", server.url))["promoted"]
-        port = free_port()
-        entry = application_schema(_config(tmp_path, str(tmp_path / "store")), {**NODE_ENV, "MLFLOW_TRACKING_URI": server.url})
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(
-            {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port}, "applications": [entry]}))
-        url = f"http://127.0.0.1:{port}"
+        trained = train_and_register(CONFIG, SPEC, train=TRAIN, evalset=EVAL, store=Store(tmp_path / "driver", server.url))
+        assert trained["promoted"]
+        url, app = deploy(_config(tmp_path, str(tmp_path / "store")), {**NODE_ENV, "MLFLOW_TRACKING_URI": server.url})
         try:
-            health = _wait(lambda: (h := httpx.get(f"{url}/health", timeout=10).json())["status"] == "ok" and h, 300,
-                           "the service up")
+            health = wait_for(lambda: (h := httpx.get(f"{url}/health", timeout=10).json())["status"] == "ok" and h, 300,
+                              "the service up")
             assert health["predictor"]["version"] == "1"
 
             killed = time.monotonic()
             _replace_node(cluster, "node_b", tmp_path)  # the predictor's node
-            answered = _chat(url)  # the predictor is gone: the ingress falls back to max reservation
+            answered = chat(url)  # the predictor is gone: the ingress falls back to max reservation
             assert answered.status_code == 200 and answered.headers["x-foreserve-predictor-version"] in ("max-fallback", "1")
-            _wait(lambda: httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok", 240, "/health ok again")
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok", 240, "/health ok again")
             predictor_back_s = time.monotonic() - killed
-            assert _chat(url).headers["x-foreserve-predictor-version"] == "1"
+            assert chat(url).headers["x-foreserve-predictor-version"] == "1"
 
-            body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 400, "temperature": 0, "stream": True,
+            body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "stream": True,
                     "ignore_eos": True, "messages": [{"role": "user", "content": "Tell me a long story."}]}
             chunks, ended = 0, "completed"
             try:
@@ -135,13 +109,13 @@ def test_the_service_survives_the_death_of_the_predictor_node_then_the_ingress_n
                 ended = type(exc).__name__
             assert chunks >= 5
             assert ended != "completed" or chunks < 400  # cut: an error, or a stream that ended early
-            _wait(lambda: _chat(url).status_code == 200, 240, "a chat answered after the ingress's node died")
+            wait_for(lambda: chat(url).status_code == 200, 240, "a chat answered after the ingress's node died")
             ingress_back_s = time.monotonic() - killed
-            stats = _wait(lambda: (h := httpx.get(f"{url}/health", timeout=10).json())["status"] == "ok"
+            stats = wait_for(lambda: (h := httpx.get(f"{url}/health", timeout=10).json())["status"] == "ok"
                           and h["pools"]["online"].get("num_running") == 0 and h, 120,
                           "/health ok with nothing left running from the cut stream")
             assert stats["predictor"]["version"] == "1"
             print(json.dumps({"predictor_node_to_health_ok_s": round(predictor_back_s, 1), "stream_chunks_before_cut": chunks,
                               "stream_ended": ended, "ingress_node_to_first_answer_s": round(ingress_back_s, 1)}))
         finally:
-            serve.delete(entry["name"])
+            serve.delete(app)
