@@ -112,8 +112,8 @@ def test_the_service_survives_the_death_of_the_predictor_node_then_the_ingress_n
             wait_for(lambda: chat(url).status_code == 200, 240, "a chat answered after the ingress's node died")
             ingress_back_s = time.monotonic() - killed
             stats = wait_for(lambda: (h := httpx.get(f"{url}/health", timeout=10).json())["status"] == "ok"
-                          and h["pools"]["online"].get("num_running") == 0 and h, 120,
-                          "/health ok with nothing left running from the cut stream")
+                             and h["pools"]["online"].get("num_running") == 0 and h, 120,
+                             "/health ok with nothing left running from the cut stream")
             assert stats["predictor"]["version"] == "1"
             print(json.dumps({"predictor_node_to_health_ok_s": round(predictor_back_s, 1), "stream_chunks_before_cut": chunks,
                               "stream_ended": ended, "ingress_node_to_first_answer_s": round(ingress_back_s, 1)}))
