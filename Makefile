@@ -60,10 +60,13 @@ test-model: prepare
 
 test-e2e: prepare
 	$(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
-	$(PY) -m pytest -q tests/e2e -m "slow" || [ $$? -eq 5 ]
+	$(PY) -m pytest -q --durations=15 tests/e2e -m "slow" || [ $$? -eq 5 ]
 
+# -v names each test as it starts; a tier whose process Ray ended (exit 1, nothing printed) then shows
+# where, and the error lines of the Ray drivers' logs say why.
 test-multinode: prepare
-	$(PY) -m pytest -q tests/multinode
+	$(PY) -m pytest -v --durations=15 tests/multinode || { status=$$?; echo "errors in Ray's driver logs:"; \
+		grep -hE '^\[[^]]+ [EF] [0-9]+ [0-9]+\]' /tmp/ray/session_*/logs/python-core-driver-*.log | tail -n 20; exit $$status; }
 
 bench: prepare
 	$(VENV)/bin/foreserve bench throughput --requests 32 --max-tokens 1024 --kv-tokens 4096 \

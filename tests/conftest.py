@@ -224,6 +224,7 @@ def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dic
         finally:
             ray.shutdown()
             cluster.shutdown()
+            cluster.global_state.disconnect()  # NOTE: its GCS client would otherwise outlive the cluster
             mp.undo()
             _forget_cluster(cluster.address)
 
