@@ -8,7 +8,8 @@ The first engine item is awaited before any byte is sent, so a pool at its queue
 away cancels the handle call, which aborts the request in the engine and frees its KV blocks.
 
 OpenAI's Files and Batch API (``/v1/files``, ``/v1/batches``) run foreserve batch jobs (Ray Jobs on
-Ray Data) through this app's offline pool; see ``app/batch/api.py``.
+Ray Data) through this app's offline pool: ``deployments/files_batches.py``. The FastAPI app, its
+limits and the auth and body steps every route shares are in ``deployments/http_app.py``.
 """
 
 
@@ -21,8 +22,8 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -33,17 +34,16 @@ from app import paths
 from app.api import errors
 from app.api.keys import ApiKeys, split_list
 from app.api.prompt import chat_prompt
-from app.batch.api import BatchCreate, BatchStore
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
+from app.batch.api import BatchStore
 from app.config import AppConfig
 from app.engine.request import Prediction, SamplingParams
 from app.runtime_env import process_defaults
 from deployments.chat import ChatResult, completion, sse_chunks
 from deployments.engine_server import GenerateRequest
+from deployments.files_batches import FilesAndBatches
 from deployments.health import report as health_report
-from deployments.drain import DrainState, install_drain
-from deployments.http_errors import install_error_handlers, install_header_limit
-from deployments.openapi import document_bodies
+from deployments.http_app import DRAIN, app
 from deployments.pool_gate import GateClosed, GateFull, PoolGate, replica_states
 from deployments.router import reservation_tokens
 
@@ -84,19 +84,9 @@ def _engine_error(error: dict, retry_after_s: int = 2, pool: str = "online") -> 
     return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")
 
 
-app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output-length prediction.")
-
-
-install_error_handlers(app)
-install_header_limit(app, lambda: getattr(app.state, "max_header_bytes", None))  # set by Ingress.__init__
-DRAIN = DrainState()  # this replica's; `foreserve serve` drains it before stopping (Ingress.drain)
-install_drain(app, DRAIN)
-document_bodies(app, {("/v1/chat/completions", "post"): ChatCompletionRequest, ("/v1/batches", "post"): BatchCreate})
-
-
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(app)
-class Ingress:
+class Ingress(FilesAndBatches):
     def __init__(self, online: DeploymentHandle, offline: DeploymentHandle, predictor: DeploymentHandle, config: dict) -> None:
         from app.engine.text.tokenizer import load_tokenizer
         from app.prepare.model_store import ensure_local_model
@@ -163,95 +153,7 @@ class Ingress:
         self.metrics.status(tier, 200)
         return response
 
-    # -- OpenAI Files and Batch API (app/batch/api.py: batches are foreserve batch jobs) ----------
-    @app.post("/v1/files")
-    async def create_file(self, request: Request) -> dict:
-        owner = self._authorize(request)
-        limit = self.config.ingress.max_file_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise errors.too_large(limit)
-        try:
-            form = await request.form(max_files=1, max_part_size=limit)
-        except Exception as exc:  # noqa: BLE001 - a malformed multipart body is the client's
-            raise errors.bad_request(f"Expected a multipart form with `file` and `purpose`: {exc}") from None
-        upload = form.get("file")
-        if upload is None or isinstance(upload, str):
-            raise errors.bad_request("Missing the `file` part.", param="file")
-        content = await upload.read()
-        file = await asyncio.to_thread(self.batches.add_file, upload.filename or "", content, str(form.get("purpose", "")),
-                                       owner)
-        return file.model_dump()
-
-    @app.get("/v1/files/{file_id}")
-    async def get_file(self, file_id: str, request: Request) -> dict:
-        owner = self._authorize(request)
-        return (await asyncio.to_thread(self.batches.get_file, file_id, owner)).model_dump()
-
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(self, file_id: str, request: Request) -> Response:
-        owner = self._authorize(request)
-        content = await asyncio.to_thread(self.batches.file_content, file_id, owner)
-        return Response(content, media_type="application/octet-stream")
-
-    @app.post("/v1/batches")
-    async def create_batch(self, request: Request) -> dict:
-        owner = self._authorize(request)
-        data = await self._json(request, self.config.ingress.max_body_bytes)
-        try:
-            body = BatchCreate.model_validate(data)
-        except ValidationError as exc:
-            raise errors.from_validation_error(exc) from None
-        return (await asyncio.to_thread(self.batches.create, body, owner)).model_dump()
-
-    @app.get("/v1/batches")
-    async def list_batches(self, request: Request, limit: int = 20) -> dict:
-        owner = self._authorize(request)
-        return await asyncio.to_thread(self.batches.list, max(1, min(limit, 100)), owner)
-
-    @app.get("/v1/batches/{batch_id}")
-    async def get_batch(self, batch_id: str, request: Request) -> dict:
-        owner = self._authorize(request)
-        return (await asyncio.to_thread(self.batches.get, batch_id, owner)).model_dump()
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(self, batch_id: str, request: Request) -> dict:
-        owner = self._authorize(request)
-        return (await asyncio.to_thread(self.batches.cancel, batch_id, owner)).model_dump()
-
     # -- steps -------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> str | None:
-        """The caller's tenant: its key's digest (files and batches are its own); None when the app
-        has no keys (one tenant). 401 for anything but an accepted bearer key."""
-        if not self.api_keys:
-            return None
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        tenant = self.api_keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
-        if tenant is None:
-            raise errors.unauthorized()
-        return tenant
-
-    async def _body(self, request: Request, limit: int) -> bytes:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise errors.too_large(limit)
-        raw = bytearray()
-        async for piece in request.stream():  # NOTE: also bounds bodies sent without Content-Length
-            raw += piece
-            if len(raw) > limit:
-                raise errors.too_large(limit)
-        return bytes(raw)
-
-    async def _json(self, request: Request, limit: int) -> dict:
-        raw = await self._body(request, limit)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            raise errors.bad_request("We could not parse the JSON body of your request.", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
-        return data
-
     async def _parse(self, request: Request) -> ChatCompletionRequest:
         data = await self._json(request, self.config.ingress.max_body_bytes)
         try:
