@@ -25,6 +25,7 @@ from app.config import EngineConfig, load_pool_config
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import EngineOverloaded, LLMEngine, RequestRejected
 from app.engine.request import EngineRequest, Prediction, SamplingParams
+from app.engine.shedding import awaiting_first_token
 from app.prepare.model_store import ensure_local_model
 from app.runtime_env import process_defaults, traced
 from predictor.buckets import LengthBuckets
@@ -161,7 +162,7 @@ class EngineServer:
     def oldest_pending_ms(self, requests: list) -> float:
         """How long the oldest request still without its first token has waited (ms): TTFT pressure
         seen while it builds up, before any of those requests has a TTFT to report."""
-        pending = [r.arrival_s for r in requests if not r.output_token_ids]
+        pending = [r.arrival_s for r in awaiting_first_token(requests)]
         return max(0.0, (self.engine.clock() - min(pending)) * 1000) if pending else 0.0
 
     def _emit_log(self, request_id: str) -> list[float]:

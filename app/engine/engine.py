@@ -15,7 +15,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
-from app.engine.shedding import EngineOverloaded, LoadShedder
+from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
 from predictor.base import LengthPredictor, MaxPredictor
@@ -216,7 +216,8 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        backlog = self.shedder is not None and any(not r.output_token_ids for r in self.scheduler.requests.values())
+        pending = awaiting_first_token(self.scheduler.requests.values())
+        backlog = self.shedder is not None and next(pending, None) is not None
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:

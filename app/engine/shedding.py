@@ -12,12 +12,18 @@ rather than queue it where its first token would come too late. Two tests, becau
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from app.engine.request import Request
 
 WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
 MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
+
+
+def awaiting_first_token(requests: Iterable[Request]) -> Iterator[Request]:
+    """The requests still without their first token (waiting, or in prefill): the backlog that the
+    shedder, the engine's per-step rate and the autoscaler's ``oldest_pending_ms`` read."""
+    return (r for r in requests if not r.output_token_ids)
 
 
 class EngineOverloaded(RuntimeError):
@@ -60,7 +66,7 @@ class LoadShedder:
         until it has stepped, and a backlog it is about to serve is no reason to turn work away."""
         if self.ready_s is None:
             return
-        pending = [max(r.arrival_s, self.ready_s) for r in requests if not r.output_token_ids]
+        pending = [max(r.arrival_s, self.ready_s) for r in awaiting_first_token(requests)]
         if not pending:
             return
         limit = f"past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})"

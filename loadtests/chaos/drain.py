@@ -15,6 +15,7 @@ import time
 import httpx
 
 from loadtests.chaos import procs
+from loadtests.chaos.probes import retry_wait
 
 SHM = "/dev/shm"
 
@@ -31,8 +32,8 @@ def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Eve
     try:
         for _ in range(tries):
             with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body, timeout=600) as response:
-                if response.status_code == 429 and (wait := response.headers.get("retry-after")):
-                    time.sleep(float(wait))
+                if (wait := retry_wait(response)) is not None:
+                    time.sleep(wait)
                     continue
                 if response.status_code != 200:
                     error = f"HTTP {response.status_code}"

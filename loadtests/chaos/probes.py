@@ -127,6 +127,13 @@ def tenants(url: str, key_a: str, key_b: str) -> dict:
             "hung": 0, "broken": leaks, "tenant_leaks": leaks, "checks": checks, "broken_examples": []}
 
 
+def retry_wait(response: httpx.Response) -> float | None:
+    """Seconds to wait before sending ``response``'s request again, as a client does: the
+    ``Retry-After`` of a 429 (the engine shedding load); None for anything else."""
+    wait = response.headers.get("retry-after") if response.status_code == 429 else None
+    return None if wait is None else float(wait)
+
+
 async def _storm(url: str, headers: dict, body: dict, streams: int, cut_s: float) -> dict[str, int]:
     """Open ``streams`` streaming chats at once and cut each ``cut_s`` after it was sent: how many
     were cut in flight, and the status of those that ended before (a 429 past the queue limit)."""
@@ -166,9 +173,9 @@ def disconnect_storm(url: str, key: str, model: str, streams: int = 200, cut_s: 
         # cancellations may not have reached the engine yet, which sheds on what it still holds)
         fresh = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
                            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        if fresh.status_code != 429 or not fresh.headers.get("retry-after"):
+        if (wait := retry_wait(fresh)) is None:
             break
-        time.sleep(float(fresh.headers["retry-after"]))
+        time.sleep(wait)
     fresh_s = round(time.monotonic() - t0, 1)
     deadline, settled_s, pools, trace = time.monotonic() + settle_s, None, {}, []
     while time.monotonic() < deadline:
