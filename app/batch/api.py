@@ -12,7 +12,9 @@ replica on any node answers for any file or batch:
 A batch is a Ray Job whose id is the batch id; the job is handed the input object's URI and its
 output prefix's URI, and reads and writes them through the store itself. A batch's state is read
 from Ray and the job's own progress each time it is asked for, so nothing here can drift from what
-the job did. The output file (one line per input line, errors included) gets a file id once the
+the job did. A job lost under the batch (its driver killed, its node gone: ``jobs.lost``) is
+submitted again under the batch's id when the batch is next read, up to ``jobs.SUBMISSIONS`` Ray
+jobs in all; it resumes from the rows already written, and writes none twice. The output file (one line per input line, errors included) gets a file id once the
 job has finished.
 
 Every record names its ``owner``: the digest of the API key that created it (the batch's, for its
@@ -23,6 +25,7 @@ exist, and ``list`` leaves it out. Without API keys (owner None) the store is on
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +38,7 @@ from app.batch import jobs
 from app.batch.io import CHAT_URL, read_status
 from predictor.object_store import ObjectStore
 
+logger = logging.getLogger(__name__)
 WINDOW_S = 24 * 3600
 RESULTS = "results.jsonl"  # the results object in a job's output (app/batch/io.py)
 
@@ -172,15 +176,13 @@ class BatchStore:
             raise errors.bad_request(f"Only {CHAT_URL} is supported as a batch endpoint.", param="endpoint")
         if request.completion_window != "24h":
             raise errors.bad_request("completion_window must be '24h'.", param="completion_window")
-        source = self._content_location(self._file_record(request.input_file_id, owner))
         now_ns = time.time_ns()
         now = now_ns // 1_000_000_000
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=request.endpoint, input_file_id=request.input_file_id,
                       completion_window=request.completion_window, status="validating", created_at=now,
                       expires_at=now + WINDOW_S, metadata=request.metadata)
         try:  # NOTE: the record is written once the job exists, so no batch is left without one
-            jobs.submit(source, self.output_uri(batch.id), batch.id, backend="serve",
-                        extra_args=["--app-name", self.app_name], jobs=self.jobs())
+            self._submit(batch.id, request.input_file_id, owner)
         except FileNotFoundError:  # NOTE: a record whose content is gone
             raise _no_file(request.input_file_id) from None
         except jobs.JobError as exc:
@@ -188,6 +190,23 @@ class BatchStore:
         # NOTE: created_ns orders batches created within the same second (list)
         self._put(f"{batch.id}.json", {**batch.model_dump(), "created_ns": now_ns, "owner": owner})
         return batch
+
+    def _submit(self, batch_id: str, input_file_id: str, owner: str | None) -> None:
+        source = self._content_location(self._file_record(input_file_id, owner))
+        jobs.submit(source, self.output_uri(batch_id), batch_id, backend="serve", extra_args=["--app-name", self.app_name],
+                    jobs=self.jobs())
+
+    def _state(self, record: dict) -> Batch:
+        """The batch of ``record`` as it is now; its job submitted again first if it was lost."""
+        report = self._report(record["id"])
+        if jobs.lost(report) and report.get("submissions", jobs.SUBMISSIONS) < jobs.SUBMISSIONS:
+            try:
+                self._submit(record["id"], record["input_file_id"], record.get("owner"))
+                logger.warning("batch %s: its job was lost (%s); submitted again", record["id"], report.get("message"))
+            except (RuntimeError, FileNotFoundError, errors.APIError) as exc:  # e.g. another replica was first
+                logger.warning("batch %s: its lost job was not submitted again: %s", record["id"], exc)
+            report = self._report(record["id"])
+        return self._with_state(Batch.model_validate(record), report, record.get("owner"))
 
     def _report(self, batch_id: str) -> dict:
         """The Ray job's state and the job's progress; when Ray no longer knows the job (its
@@ -201,8 +220,7 @@ class BatchStore:
             return {**report, "ray_status": "SUCCEEDED" if finished else "FAILED", "message": message}
 
     def get(self, batch_id: str, owner: str | None = None) -> Batch:
-        record = self._record(batch_id, owner)
-        return self._with_state(Batch.model_validate(record), self._report(batch_id), record.get("owner"))
+        return self._state(self._record(batch_id, owner))
 
     def _with_state(self, batch: Batch, report: dict, owner: str | None) -> Batch:
         state = report["ray_status"]
@@ -215,7 +233,7 @@ class BatchStore:
             batch.output_file_id = self._output_file(batch.id, owner)
         elif state == "FAILED":
             batch.status, batch.failed_at = "failed", ended
-            batch.errors = {"object": "list", "data": [{"code": "job_failed", "message": report.get("message")}]}
+            batch.errors = {"object": "list", "data": [{"code": "job_failed", "message": _reason(report.get("message"))}]}
         elif state == "STOPPED":
             batch.status, batch.cancelled_at = "cancelled", ended
         elif batch.cancelling_at:
@@ -262,8 +280,7 @@ class BatchStore:
             if _visible(record, owner):
                 records.append(record)
         records.sort(key=lambda r: (r["created_at"], r.get("created_ns", 0), r["id"]), reverse=True)
-        data = [self._with_state(Batch.model_validate(r), self._report(r["id"]), r.get("owner")).model_dump()
-                for r in records[:limit]]
+        data = [self._state(r).model_dump() for r in records[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
 
@@ -281,6 +298,14 @@ def _visible(record: dict, owner: str | None) -> bool:
 def _plain(name: str) -> bool:
     """Whether ``name`` can be an object id: one key part, not hidden (no ``/``, no leading ``.``)."""
     return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _reason(message: str | None) -> str | None:
+    """Why a job failed, in one line: Ray's message without the tail of the driver's log it appends
+    (Ray's internals, pids and paths are nothing a client should read)."""
+    if not message:
+        return message
+    return message.split(", last available logs")[0].splitlines()[0]
 
 
 def _int(value) -> int | None:

@@ -32,6 +32,7 @@ from app.runtime_env import JOB_ENV, env_vars
 from predictor.object_store import ObjectStore
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+SUBMISSIONS = 3  # the Ray jobs one batch may take: a job lost with its driver is submitted again (``lost``)
 RESULTS = "results.jsonl"  # one answer per input line, in a job's output (app/batch/io.py)
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -205,13 +206,24 @@ def status(job_id: str, jobs=None) -> dict:
     from app.batch.io import read_status
 
     jobs = jobs or client(start=False)
-    info = _latest(jobs, job_id)
+    attempts = _attempts(jobs, job_id)
+    if not attempts:
+        raise JobError(f"no batch job {job_id!r} in this Ray cluster")
+    info = attempts[-1]
     output = (info.metadata or {}).get("output")
     report = {"job_id": job_id, "ray_job_id": info.submission_id, "ray_status": str(info.status), "message": info.message,
-              "output": output}
+              "output": output, "submissions": len(attempts), "driver_exit_code": getattr(info, "driver_exit_code", None)}
     if output:
         report.update(read_status(output))
     return report
+
+
+def lost(report: dict) -> bool:
+    """Whether a job's last Ray job (``status``) ended without failing by itself: its driver killed
+    by a signal (an OOM kill, a stop of its node) or its supervisor gone with its node. A job that
+    exited with an error of its own (exit code 1 or 2) is not lost."""
+    code = report.get("driver_exit_code")
+    return report.get("ray_status") == "FAILED" and (code is None or code < 0 or code >= 128)
 
 
 def stop(job_id: str, jobs=None) -> bool:

@@ -29,6 +29,17 @@ def pids(role: str, app: str = "foreserve") -> list[int]:
     return sorted(found)
 
 
+def matching(*parts: str) -> list[int]:
+    """Live processes whose command line holds each of ``parts`` (other than this one)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            line = _cmdline(int(entry))
+            if line and all(part in line for part in parts):
+                found.append(int(entry))
+    return sorted(found)
+
+
 def session(sid: int) -> list[int]:
     """Live processes of session ``sid`` (a command started in a session of its own, and its children)."""
     alive = []
@@ -62,9 +73,14 @@ def signal_role(role: str, sig: signal.Signals, app: str = "foreserve") -> list[
     targets = pids(role, app)
     if not targets:
         raise RuntimeError(f"no {role} process of {app!r} on this machine (is the service local?)")
+    kill(targets, sig)
+    return targets
+
+
+def kill(targets: list[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each of ``targets`` that is still there."""
     for pid in targets:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    return targets

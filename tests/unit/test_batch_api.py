@@ -28,18 +28,22 @@ class FakeJobs:
 
     def __init__(self) -> None:
         self.submitted: dict[str, dict] = {}
+        self.submissions: dict[str, int] = {}  # Ray jobs per batch job id
         self.state: dict[str, str] = {}
+        self.exit_code: dict[str, int | None] = {}  # the last Ray job's driver's
         self.stopped: list[str] = []
 
     def submit(self, input_path, output, job_id, **kwargs) -> str:
         self.submitted[job_id] = {"input": input_path, "output": output, **kwargs}
-        self.state[job_id] = "PENDING"
+        self.submissions[job_id] = self.submissions.get(job_id, 0) + 1
+        self.state[job_id], self.exit_code[job_id] = "PENDING", None
         return job_id
 
     def status(self, job_id: str, client=None) -> dict:
         if job_id not in self.state:
             raise jobs.JobError(f"no batch job {job_id!r} in this Ray cluster")
-        return {"ray_status": self.state[job_id], "message": None, **read_status(self.submitted[job_id]["output"])}
+        return {"ray_status": self.state[job_id], "message": None, "submissions": self.submissions[job_id],
+                "driver_exit_code": self.exit_code[job_id], **read_status(self.submitted[job_id]["output"])}
 
     def stop(self, job_id: str, client=None) -> bool:
         self.stopped.append(job_id)
@@ -146,7 +150,7 @@ def test_get_list_and_cancel_follow_the_job(object_store: ObjectStore, fake_jobs
     assert store.cancel(second.id).status == "cancelling" and fake_jobs.stopped == [second.id]
     fake_jobs.state[second.id] = "STOPPED"
     assert store.get(second.id).status == "cancelled"
-    fake_jobs.state[third.id] = "FAILED"
+    fake_jobs.state[third.id], fake_jobs.exit_code[third.id] = "FAILED", 1  # the job's own error
     assert store.get(third.id).status == "failed"
 
     # newest first by the records' created_at, though cancel rewrote the second record last
@@ -290,3 +294,44 @@ def test_a_tenant_sees_only_its_own_files_and_batches(object_store: ObjectStore,
     assert _error(lambda: store.file_content(output_id, owner=b)).status_code == 404
     assert "owner" not in store.get(batch.id, owner=a).model_dump() and "owner" not in file.model_dump()
     assert [x["id"] for x in store.list()["data"]] == [batch.id] and store.get_file(file.id) == file  # no auth: one tenant
+
+
+def test_a_batch_whose_job_was_lost_is_submitted_again_and_one_that_failed_by_itself_is_not(
+        object_store: ObjectStore, fake_jobs: FakeJobs, monkeypatch: pytest.MonkeyPatch):
+    store = BatchStore(object_store)
+    file = store.add_file("in.jsonl", ROWS, "batch")
+    batch = _create(store, file.id)
+    first = dict(fake_jobs.submitted[batch.id])
+    for submissions in range(2, jobs.SUBMISSIONS + 1):  # its driver killed (sh reports 137), again and again
+        fake_jobs.state[batch.id], fake_jobs.exit_code[batch.id] = "FAILED", 137
+        assert store.get(batch.id).status == "validating"  # submitted again, pending
+        assert fake_jobs.submissions[batch.id] == submissions and fake_jobs.submitted[batch.id] == first  # same input, output
+    fake_jobs.state[batch.id], fake_jobs.exit_code[batch.id] = "FAILED", -9
+    monkeypatch.setattr(fake_jobs, "status", lambda job_id, client=None: {**FakeJobs.status(fake_jobs, job_id), "message": (
+        "Job entrypoint command failed with exit code -9, last available logs (truncated to 20,000 chars):\n"
+        "(ServeStage pid=23593) WARNING ... /root/.cache/ray ...")})
+    monkeypatch.setattr(jobs, "status", fake_jobs.status)
+    failed = store.get(batch.id)
+    assert failed.status == "failed"  # no more than SUBMISSIONS Ray jobs for one batch
+    assert fake_jobs.submissions[batch.id] == jobs.SUBMISSIONS
+    # why, in one line: not the driver's log that Ray appends (pids, paths)
+    assert failed.errors["data"] == [{"code": "job_failed", "message": "Job entrypoint command failed with exit code -9"}]
+
+    own = _create(store, file.id)  # the job failed by itself (exit code 1): failed at once, in get and in list
+    fake_jobs.state[own.id], fake_jobs.exit_code[own.id] = "FAILED", 1
+    assert store.get(own.id).status == "failed" and store.list()["data"][0]["status"] == "failed"
+    assert fake_jobs.submissions[own.id] == 1
+
+    gone = _create(store, file.id)  # its supervisor died with its node: no exit code; list resubmits it too
+    fake_jobs.state[gone.id] = "FAILED"
+    assert store.list()["data"][0]["status"] == "validating" and fake_jobs.submissions[gone.id] == 2
+
+
+def test_only_a_driver_killed_or_gone_is_a_lost_job():
+    assert jobs.lost({"ray_status": "FAILED", "driver_exit_code": -9})
+    assert jobs.lost({"ray_status": "FAILED", "driver_exit_code": 137})  # sh -c, its python killed by SIGKILL
+    assert jobs.lost({"ray_status": "FAILED", "driver_exit_code": None})  # no driver exit: its supervisor is gone
+    assert not jobs.lost({"ray_status": "FAILED", "driver_exit_code": 1})  # the job's own error
+    assert not jobs.lost({"ray_status": "FAILED", "driver_exit_code": 2})  # bad arguments
+    assert not jobs.lost({"ray_status": "STOPPED", "driver_exit_code": None})  # cancelled
+    assert not jobs.lost({"ray_status": "RUNNING", "driver_exit_code": None})
