@@ -90,14 +90,16 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def home_with_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private data dir like ``home`` with the prepared model linked in, read-only: a service
-    started there serves it."""
+    """A private data dir like ``home`` with the prepared model and traces linked in, read-only: a
+    service started there serves the model, and a load test draws its prompts from the traces
+    (which it would otherwise build again, two minutes here)."""
     from app import paths
 
-    model = paths.model_dir()  # NOTE: the prepared one, before FORESERVE_HOME points elsewhere
+    model, traces = paths.model_dir(), paths.traces_dir()  # NOTE: the prepared ones, before FORESERVE_HOME moves
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
     (home / "models" / model.name).symlink_to(model)
+    (home / "traces").symlink_to(traces)
     monkeypatch.setenv("FORESERVE_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return home

@@ -258,12 +258,14 @@ def ensure_traces(force: bool = False) -> Path:
     source = source_path()
     model_path = ensure_model()
     out_dir = paths.traces_dir()
-    if not force and _manifest_matches(out_dir, _expected_manifest(source, str(model_path))):
+    # NOTE: the tokenizer by its real path: a data dir whose model is a link to a prepared one has its traces too
+    tokenizer_path = str(Path(model_path).resolve())
+    if not force and _manifest_matches(out_dir, _expected_manifest(source, tokenizer_path)):
         return out_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return build_traces(source, out_dir, tokenizer, str(model_path), force=True)
+    return build_traces(source, out_dir, tokenizer, tokenizer_path, force=True)
 
 
 def load_trace(split: str, limit: int | None = None, trace_dir: Path | None = None) -> list[TraceRecord]:

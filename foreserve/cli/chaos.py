@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT = "engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,redeploy,overload,disconnect_storm,fuzz,hostile_input,tenants,drain"
+DEFAULT = ("engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,redeploy,overload,batch,"
+           "disconnect_storm,fuzz,hostile_input,tenants,drain")
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -13,7 +14,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     summary = run_chaos(Path(args.report), args.scenarios.split(","), args.host, Path(args.config) if args.config else None,
                         args.rate, args.duration, args.inject_at, args.storm_streams, args.overload_rate,
-                        args.fuzz_examples, args.soak_minutes)
+                        args.fuzz_examples, args.soak_minutes, flex_share=args.flex_share)
     print(f"{'scenario':>17} {'sent':>5} {'answered':>8} {'clean err':>9} {'hung':>4} {'broken':>6} {'recovery s':>10} {'health ok s':>11}")
     for r in summary["scenarios"]:
         print(f"{r['scenario']:>17} {r['sent']:>5} {r['answered']:>8} {r['clean_error']:>9} {r['hung']:>4} {r['broken']:>6} "
@@ -36,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.5, help="load scenarios: requests/s (default 0.5)")
     p.add_argument("--duration", type=float, default=60, help="load scenarios: seconds of arrivals (default 60)")
     p.add_argument("--inject-at", type=float, default=15, help="load scenarios: the fault this many seconds in (default 15)")
+    p.add_argument("--flex-share", type=float, default=0.2,
+                   help="load scenarios: the share of requests sent as service_tier flex (default 0.2)")
     p.add_argument("--overload-rate", type=float, default=6.0,
                    help="overload: requests/s (default 6, about 3x what the default service answers on 2 cores)")
     p.add_argument("--fuzz-examples", type=int, default=20, help="fuzz: generated requests per route (default 20)")

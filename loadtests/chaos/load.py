@@ -1,5 +1,5 @@
 """Steady Locust load for the chaos scenarios (``loadtests/locustfile.py``, streaming, 80% online and
-20% flex, max_tokens at most 64), in a thread of this process; Locust itself runs as its own process."""
+20% flex by default, max_tokens at most 64), in a thread of this process; Locust itself runs as its own process."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from loadtests.summary import SLO
 
 
 def start_load(url: str, out: Path, key: str, rate: float, duration_s: float, cancel_fraction: float = 0.0,
-               drain_s: float = 120) -> threading.Thread:
+               drain_s: float = 120, flex_share: float = 0.2) -> threading.Thread:
     """Start ``rate`` req/s for ``duration_s`` (then up to ``drain_s`` for the requests in flight:
-    one still open then counts as hung); each request's record lands in ``out/requests.jsonl``.
+    one still open then counts as hung), ``flex_share`` of it flex; each request's record lands in
+    ``out/requests.jsonl``.
     Join the thread to wait for the end."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "requests.jsonl").unlink(missing_ok=True)
-    spec = LoadSpec(stages=f"steady:{duration_s:g}:{rate:g}", tier_mix={"online": 0.8, "flex": 0.2}, max_tokens=64,
+    spec = LoadSpec(stages=f"steady:{duration_s:g}:{rate:g}", tier_mix={t: w for t, w in (("online", 1 - flex_share), ("flex", flex_share)) if w > 0}, max_tokens=64,
                     slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=20000, tpot_ms=2500)},
                     drain_s=drain_s, cancel_fraction=cancel_fraction)
     build_workload(spec, out / "workload.jsonl")

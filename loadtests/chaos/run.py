@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from app.engine.faults import FORWARD_ERROR
-from loadtests.chaos import drain, fuzz, probes, procs, redeploy, soak
+from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, soak
 from loadtests.chaos.load import start_load
 from loadtests.chaos.score import overload, score
 from loadtests.loadtest import Service, get_json, served_model
@@ -43,6 +43,7 @@ FAULTS = {
     "fuzz": "schemathesis: requests generated from the service's OpenAPI schema, every route",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
     "tenants": "key B asks for key A's file and batch: get, content, cancel, list, a batch on it",
+    "batch": "a Batch API batch: its offline engine replica SIGKILLed at 1/4 of its rows, its job's driver at 1/2",
     "soak": "steady load for --soak-minutes with 5% of the answers cancelled mid-way; RSS slope per role",
     "drain": "SIGTERM to foreserve serve with streams open (ends the service: last)",
 }
@@ -108,10 +109,10 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
-                  status: str | None, fault_dir: Path | None = None) -> dict:
+                  status: str | None, fault_dir: Path | None = None, flex_share: float = 0.2) -> dict:
     """Locust at ``rate`` for ``duration_s`` (``load.start_load``), the fault at ``inject_s``."""
     # NOTE: under overload the flex tier (which sheds nothing: flex work waits) finishes late, not never
-    locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120)
+    locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120, flex_share=flex_share)
     time.sleep(inject_s)
     fallbacks = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
     fault_at, t0 = time.time(), time.monotonic()
@@ -140,7 +141,8 @@ def _cont(pid: int) -> None:
 
 def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
               rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200,
-              overload_rate: float = 6.0, fuzz_examples: int = 20, soak_minutes: float = 30.0) -> dict:
+              overload_rate: float = 6.0, fuzz_examples: int = 20, soak_minutes: float = 30.0,
+              flex_share: float = 0.2) -> dict:
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
@@ -154,6 +156,8 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
              if value <= 0]
     wrong += [f"--{name} {value} (must be >= 1)" for name, value in (("storm-streams", storm_streams),
                                                                     ("fuzz-examples", fuzz_examples)) if value < 1]
+    if not 0 <= flex_share <= 1:
+        wrong.append(f"--flex-share {flex_share:g} (must be within 0 and 1)")
     if not 0 <= inject_s < duration_s:
         wrong.append(f"--inject-at {inject_s:g} (must be >= 0 and below --duration {duration_s:g})")
     if wrong:
@@ -172,11 +176,13 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
             before, status, t0 = procs.memory(), health_status(url), time.monotonic()
             if name in LOAD:
                 row = load_scenario(name, url, report / name, key, overload_rate if name == "overload" else rate,
-                                    duration_s, inject_s, status, fault_dir)
+                                    duration_s, inject_s, status, fault_dir, flex_share)
             elif name == "drain":
                 row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":
                 row = probes.disconnect_storm(url, key, model, streams=storm_streams)
+            elif name == "batch":
+                row = batch.batch_faults(url, key, model)
             elif name == "soak":
                 row = soak.soak(url, report / name, key, rate, soak_minutes)
             elif name == "fuzz":

@@ -22,18 +22,26 @@ def classify(record: dict) -> str:
     return "broken"
 
 
+def _open_at(record: dict, at: float) -> bool:
+    """Whether ``record``'s request was open at wall-clock ``at``: sent before it, and not refused
+    before it (a 429 that came back earlier was never an answer for the fault to lose)."""
+    if record["start"] >= at:
+        return False
+    ended = record["start"] + record["e2e_ms"] / 1000 if record.get("e2e_ms") is not None else None
+    return not (classify(record) == "clean_error" and ended is not None and ended < at)
+
+
 def score(records: list[dict], fault_at: float | None) -> dict:
-    """Counts per class; given the fault (wall-clock ``fault_at``), how many were sent before it and
-    how many of those were answered in full, and the first request that started after it and was
-    answered, in seconds from the fault (None: none was)."""
+    """Counts per class; given the fault (wall-clock ``fault_at``), how many answers were open at it
+    and how many of those were answered in full, and the first request that started after it and
+    was answered, in seconds from the fault (None: none was)."""
     counts = {"sent": len(records), "answered": 0, "clean_error": 0, "cut": 0, "hung": 0, "broken": 0}
     for record in records:
         counts[classify(record)] += 1
     recovery, before = None, {}
-    if fault_at is not None:  # sent before the fault: open when it struck (or done); each must be answered
-        sent_before = [r for r in records if r["start"] < fault_at]
-        before = {"sent_before_fault": len(sent_before),
-                  "answered_of_those": sum(classify(r) == "answered" for r in sent_before)}
+    if fault_at is not None:  # open when it struck (or answered before): each must be answered
+        open_then = [r for r in records if _open_at(r, fault_at)]
+        before = {"open_at_fault": len(open_then), "answered_of_those": sum(classify(r) == "answered" for r in open_then)}
         later = [r["start"] + r["e2e_ms"] / 1000 for r in records
                  if r["start"] >= fault_at and classify(r) == "answered"]
         recovery = round(min(later) - fault_at, 1) if later else None

@@ -19,6 +19,7 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
     (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
+    (home / "traces").symlink_to(paths.traces_dir())  # and traces: built again, they would take two minutes
     env = {**os.environ, "FORESERVE_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
     env.pop("MLFLOW_TRACKING_URI", None)
     report = tmp_path / "report"

@@ -29,6 +29,15 @@ def test_recovery_is_the_first_answer_to_a_request_sent_after_the_fault():
     assert score(records, fault_at=None)["recovery_s"] is None
 
 
+def test_the_answers_open_at_the_fault_leave_out_those_refused_before_it():
+    refused = 'HTTP 429: {"error": {"message": "busy"}}'
+    records = [_record(100.0, e2e_ms=20000), _record(104.0, refused, 429, e2e_ms=1200),  # refused 5 s before the fault
+               _record(108.0, refused, 429, e2e_ms=4000), _record(109.0, "not finished within the drain", e2e_ms=None)]
+    row = score(records, fault_at=110.0)
+    assert row["open_at_fault"] == 3  # the answer, the 429 that came after the fault, the hung one
+    assert row["answered_of_those"] == 1
+
+
 def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
     import pytest
 
@@ -38,7 +47,8 @@ def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
         run_chaos(tmp_path, ["nope"])
     for kwargs, named in (({"rate": 0}, "--rate 0"), ({"duration_s": 10, "inject_s": 10}, "--inject-at 10"),
                           ({"storm_streams": 0}, "--storm-streams 0"), ({"overload_rate": -1}, "--overload-rate -1"),
-                          ({"soak_minutes": 0}, "--soak-minutes 0"), ({"fuzz_examples": 0}, "--fuzz-examples 0")):
+                          ({"soak_minutes": 0}, "--soak-minutes 0"), ({"fuzz_examples": 0}, "--fuzz-examples 0"),
+                          ({"flex_share": 1.5}, "--flex-share 1.5")):
         with pytest.raises(ValueError, match=f"^need .*{named} \\(must be"):
             run_chaos(tmp_path, ["engine_kill"], **kwargs)
     assert not list(tmp_path.iterdir())
@@ -56,3 +66,28 @@ def test_the_memory_slope_is_in_mb_per_hour():
     assert slope_mb_per_hour([(0.0, 100.0), (1800.0, 105.0), (3600.0, 110.0)]) == 10.0
     assert slope_mb_per_hour([(t, 500.0) for t in range(0, 600, 10)]) == 0.0
     assert slope_mb_per_hour([(0.0, 1.0), (10.0, 2.0)]) is None  # too few samples to say
+
+
+def test_only_a_429_with_retry_after_is_sent_again_after_its_wait():
+    import httpx
+
+    from loadtests.chaos.probes import retry_wait
+
+    assert retry_wait(httpx.Response(429, headers={"Retry-After": "3"})) == 3.0
+    assert retry_wait(httpx.Response(429)) is None  # no wait named: the client gives up
+    assert retry_wait(httpx.Response(503, headers={"Retry-After": "3"})) is None  # a drain: not the engine shedding
+    assert retry_wait(httpx.Response(200)) is None
+
+
+def test_a_batch_output_is_scored_line_by_line_against_its_input():
+    import json
+
+    from loadtests.chaos.batch import output_counts
+
+    def line(custom_id: str, error: dict | None = None) -> str:
+        return json.dumps({"custom_id": custom_id, "response": None if error else {"status_code": 200}, "error": error})
+
+    whole = "\n".join(line(f"row-{i}") for i in range(4)).encode()
+    assert output_counts(whole, 4) == {"answered": 4, "failed_rows": 0, "lost": 0, "duplicated": 0}
+    bad = "\n".join([line("row-0"), line("row-0"), line("row-1", {"message": "x"}), line("row-2")]).encode()
+    assert output_counts(bad, 4) == {"answered": 3, "failed_rows": 1, "lost": 1, "duplicated": 1}
