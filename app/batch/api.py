@@ -14,8 +14,8 @@ output prefix's URI, and reads and writes them through the store itself. A batch
 from Ray and the job's own progress each time it is asked for, so nothing here can drift from what
 the job did. A job lost under the batch (its driver killed, its node gone: ``jobs.lost``) is
 submitted again under the batch's id when the batch is next read, up to ``jobs.SUBMISSIONS`` Ray
-jobs in all; it resumes from the rows already written, and writes none twice. The output file (one line per input line, errors included) gets a file id once the
-job has finished.
+jobs in all; it resumes from the rows already written, and writes none twice. The output file (one
+line per input line, errors included) gets a file id once the job has finished.
 
 Every record names its ``owner``: the digest of the API key that created it (the batch's, for its
 output file). A caller sees only its own: another key's file or batch is a 404, as if it did not

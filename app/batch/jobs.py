@@ -194,11 +194,16 @@ def _attempts(jobs, job_id: str) -> list:
     return sorted(mine, key=lambda j: j.start_time or 0)
 
 
-def _latest(jobs, job_id: str):
+def _submitted(jobs, job_id: str) -> list:
+    """``_attempts``, or JobError if Ray knows no job ``job_id``."""
     attempts = _attempts(jobs, job_id)
     if not attempts:
         raise JobError(f"no batch job {job_id!r} in this Ray cluster")
-    return attempts[-1]
+    return attempts
+
+
+def _latest(jobs, job_id: str):
+    return _submitted(jobs, job_id)[-1]
 
 
 def status(job_id: str, jobs=None) -> dict:
@@ -206,9 +211,7 @@ def status(job_id: str, jobs=None) -> dict:
     from app.batch.io import read_status
 
     jobs = jobs or client(start=False)
-    attempts = _attempts(jobs, job_id)
-    if not attempts:
-        raise JobError(f"no batch job {job_id!r} in this Ray cluster")
+    attempts = _submitted(jobs, job_id)
     info = attempts[-1]
     output = (info.metadata or {}).get("output")
     report = {"job_id": job_id, "ray_job_id": info.submission_id, "ray_status": str(info.status), "message": info.message,

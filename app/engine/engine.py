@@ -216,8 +216,9 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        pending = awaiting_first_token(self.scheduler.requests.values())
-        backlog = self.shedder is not None and next(pending, None) is not None
+        backlog = False
+        if self.shedder is not None:  # NOTE: no scan per step when shedding is off
+            backlog = next(awaiting_first_token(self.scheduler.requests.values()), None) is not None
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.5, help="load scenarios: requests/s (default 0.5)")
     p.add_argument("--duration", type=float, default=60, help="load scenarios: seconds of arrivals (default 60)")
     p.add_argument("--inject-at", type=float, default=15, help="load scenarios: the fault this many seconds in (default 15)")
-    p.add_argument("--flex-share", type=float, default=0.2,
+    p.add_argument("--flex-share", type=float, default=0.2,  # loadtests.chaos.load.FLEX_SHARE (imported late)
                    help="load scenarios: the share of requests sent as service_tier flex (default 0.2)")
     p.add_argument("--overload-rate", type=float, default=6.0,
                    help="overload: requests/s (default 6, about 3x what the default service answers on 2 cores)")

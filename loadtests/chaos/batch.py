@@ -37,8 +37,9 @@ def output_counts(content: bytes, lines: int) -> dict:
     rows = [json.loads(line) for line in content.splitlines() if line.strip()]
     ids = [r.get("custom_id") for r in rows]
     expected = {f"row-{i}" for i in range(lines)}
-    return {"answered": sum(r.get("error") is None for r in rows), "failed_rows": sum(r.get("error") is not None for r in rows),
-            "lost": len(expected - set(ids)), "duplicated": len(ids) - len(set(ids))}
+    failed = sum(r.get("error") is not None for r in rows)
+    return {"answered": len(rows) - failed, "failed_rows": failed, "lost": len(expected - set(ids)),
+            "duplicated": len(ids) - len(set(ids))}
 
 
 def batch_faults(url: str, key: str, model: str, lines: int = 24, timeout_s: float = 900) -> dict:
@@ -70,9 +71,10 @@ def batch_faults(url: str, key: str, model: str, lines: int = 24, timeout_s: flo
             content = client.get(f"/v1/files/{batch['output_file_id']}/content")
             counts = output_counts(content.content, lines)
     ended = batch["status"] in ENDED
+    killed_at = faults.get("driver_killed", {}).get("at_s")
     broken = counts["lost"] + counts["duplicated"] + int(ended and batch["status"] != "completed")
     return {"sent": lines, "answered": counts["answered"], "clean_error": counts["failed_rows"],
             "hung": 0 if ended else lines - counts["answered"], "broken": broken, **counts,
             "status": batch["status"], "batch_id": batch["id"], "faults": faults, "took_s": took_s,
-            "recovery_s": None if "driver_killed" not in faults or not ended else round(took_s - faults["driver_killed"]["at_s"], 1),
+            "recovery_s": None if killed_at is None or not ended else round(took_s - killed_at, 1),
             "progress": trace[::5] + trace[-1:], "broken_examples": [] if not broken else [batch.get("errors")]}

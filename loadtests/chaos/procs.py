@@ -19,25 +19,26 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def pids(role: str, app: str = "foreserve") -> list[int]:
-    """Live processes of ``role`` (a deployment of ``app``, or Serve's ``proxy`` or ``controller``)."""
-    want = RAY_ACTORS.get(role, f"ray::ServeReplica:{app}:{role}")
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _cmdline(int(entry)).startswith(want):
-            found.append(int(entry))
-    return sorted(found)
-
-
-def matching(*parts: str) -> list[int]:
-    """Live processes whose command line holds each of ``parts`` (other than this one)."""
+def _scan(keep) -> list[int]:
+    """Live processes (other than this one) whose command line ``keep`` accepts, sorted."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             line = _cmdline(int(entry))
-            if line and all(part in line for part in parts):
+            if line and keep(line):
                 found.append(int(entry))
     return sorted(found)
+
+
+def pids(role: str, app: str = "foreserve") -> list[int]:
+    """Live processes of ``role`` (a deployment of ``app``, or Serve's ``proxy`` or ``controller``)."""
+    want = RAY_ACTORS.get(role, f"ray::ServeReplica:{app}:{role}")
+    return _scan(lambda line: line.startswith(want))
+
+
+def matching(*parts: str) -> list[int]:
+    """Live processes whose command line holds each of ``parts`` (other than this one)."""
+    return _scan(lambda line: all(part in line for part in parts))
 
 
 def session(sid: int) -> list[int]:

@@ -24,7 +24,7 @@ import yaml
 
 from app.engine.faults import FORWARD_ERROR
 from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, soak
-from loadtests.chaos.load import start_load
+from loadtests.chaos.load import FLEX_SHARE, start_load
 from loadtests.chaos.score import overload, score
 from loadtests.loadtest import Service, get_json, served_model
 from loadtests.summary import read_records
@@ -109,7 +109,7 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
-                  status: str | None, fault_dir: Path | None = None, flex_share: float = 0.2) -> dict:
+                  status: str | None, fault_dir: Path | None = None, flex_share: float = FLEX_SHARE) -> dict:
     """Locust at ``rate`` for ``duration_s`` (``load.start_load``), the fault at ``inject_s``."""
     # NOTE: under overload the flex tier (which sheds nothing: flex work waits) finishes late, not never
     locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120, flex_share=flex_share)
@@ -142,7 +142,7 @@ def _cont(pid: int) -> None:
 def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
               rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200,
               overload_rate: float = 6.0, fuzz_examples: int = 20, soak_minutes: float = 30.0,
-              flex_share: float = 0.2) -> dict:
+              flex_share: float = FLEX_SHARE) -> dict:
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
