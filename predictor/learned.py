@@ -12,6 +12,11 @@ import torch
 from predictor.base import LengthPrediction, LengthPredictor
 from predictor.model import LengthModel, ModelSpec, collate, cpu_has_fast_bf16, encode_prompts
 
+# NOTE: inputs are padded to a multiple of this many tokens. Every distinct (batch, width) shape makes
+# oneDNN and the allocator keep buffers of its own: at exact widths the predictor replica grew from
+# 0.5 to 1.5 GB over 4,000 ShareGPT prompts; padded, it stays at 0.53 GB (and runs no slower).
+PAD_MULTIPLE = 64
+
 
 def decode(probs: np.ndarray, spec: ModelSpec, bound_quantile: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bucket probabilities -> (argmax buckets, reservation bounds in tokens, expected tokens).
@@ -66,7 +71,7 @@ class LearnedPredictor(LengthPredictor):
         ids = encode_prompts(self.tokenizer, [t or "" for t in texts], self.spec)
         with self._lock, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             for idx in self._micro_batches([len(t) for t in ids]):
-                input_ids, mask = collate([ids[i] for i in idx], self.tokenizer.pad_token_id)
+                input_ids, mask = collate([ids[i] for i in idx], self.tokenizer.pad_token_id, PAD_MULTIPLE)
                 logits, score = self.model(input_ids, mask)
                 probs[idx] = torch.softmax(logits.float(), dim=-1).numpy()
                 scores[idx] = score.float().numpy()

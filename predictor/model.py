@@ -145,9 +145,9 @@ def encode_prompts(tokenizer, texts: list[str], spec: ModelSpec) -> list[list[in
     return out
 
 
-def collate(batch_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sequence of the batch."""
-    width = max(len(t) for t in batch_ids)
+def collate(batch_ids: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sequence of the batch, rounded up to ``multiple``."""
+    width = -(-max(len(t) for t in batch_ids) // multiple) * multiple
     input_ids = torch.full((len(batch_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch_ids), width), dtype=torch.long)
     for i, tokens in enumerate(batch_ids):

@@ -336,3 +336,22 @@ def test_a_job_resolves_its_predictor_once_or_falls_back_to_max(tmp_path, monkey
     assert resolve_predictor("champion", store) == ("max", "max-fallback")  # an empty registry has none
     predictor = load_predictor_or_max("max", version="max-fallback")  # what the job's actor then loads
     assert predictor.name == "max" and predictor.version == "max-fallback"
+
+
+def test_inputs_padded_to_a_multiple_predict_what_exact_widths_do(monkeypatch):
+    """Inference pads each micro-batch to a multiple of ``PAD_MULTIPLE`` tokens (a few shapes, so the
+    replica's memory stays flat); the attention mask makes the padding change nothing."""
+    from predictor import learned
+    from predictor.model import collate
+
+    ids, mask = collate([[5, 6, 7], [5]], pad_id=0, multiple=64)
+    assert ids.shape == mask.shape == (2, 64) and mask.sum().item() == 4
+    torch.set_num_threads(1)
+    model, tok, _ = train_model(TINY, None, TINY_SPEC, TINY_CONFIG)
+    texts = [e.text for e in TINY[:9]]
+    padded = LearnedPredictor(model, tok, bf16=False).predict(texts)
+    monkeypatch.setattr(learned, "PAD_MULTIPLE", 1)
+    exact = LearnedPredictor(model, tok, bf16=False).predict(texts)
+    assert padded.buckets == exact.buckets and padded.bound_tokens == exact.bound_tokens
+    np.testing.assert_allclose(padded.probabilities, exact.probabilities, atol=1e-5)
+    np.testing.assert_allclose(padded.scores, exact.scores, atol=1e-4)

@@ -130,3 +130,23 @@ def test_fuse_rows_stacks_outputs_and_leaves_views():
     assert parts[1].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
     assert fuse_rows([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)]) is None  # input sizes differ
     assert fuse_rows([torch.nn.Linear(16, 4), torch.nn.Linear(16, 4, bias=False)]) is None
+
+
+def test_onednn_linears_run_at_a_few_row_counts_and_give_each_row_its_own_answer():
+    """Rows are padded to one of a few counts (oneDNN keeps buffers per shape: exact counts made an
+    engine's memory grow with every new count); the padded rows never reach the caller."""
+    from app.engine.model.cpu_linear import onednn_linear, onednn_rows, prepack
+
+    assert [onednn_rows(n) for n in (1, 16, 17, 18, 19, 31, 33, 100, 256, 300)] == [1, 16, 18, 18, 20, 32, 36, 104, 256, 320]
+    assert len({onednn_rows(n) for n in range(1, 513)}) == 16 + 8 * 5  # 16 exact, then 8 per doubling
+    assert all(n <= onednn_rows(n) < n * 9 / 8 for n in range(1, 513))
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 48)
+    packed = prepack(module)
+    if packed is None or packed.dtype != torch.float32:
+        pytest.skip("oneDNN's float32 prepacked linear is not available here")
+    for rows in (17, 100):
+        x = torch.randn(rows, 64)
+        got = onednn_linear(x, packed, module.bias)
+        assert got.shape == (rows, 48)
+        torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
