@@ -19,6 +19,9 @@ Built on Ray Serve's custom autoscaling API. ``ElasticPolicy`` is the applicatio
   replica per tick down to its min_replicas (which may be 0); it grows back only after online has
   been calm for ``calm_s``, and never beyond the budget online leaves. Serve drains removed replicas
   (``graceful_shutdown_timeout_s``); what does not finish in time is retried by the caller.
+- No starvation: offline work left without a replica for ``offline_max_yield_s`` (online pressured
+  all that time) gets one replica back, its share, though online stays pressured; online leaves it
+  room, and the pool keeps it until its backlog is done.
 - A pool at zero is not woken by Serve's cold-start rule behind the policy's back: the ingress holds
   flex calls while offline is at zero (deployments/pool_gate.py) and reports them; they count as
   offline backlog, so offline comes back on the policy's terms (online calm), and they go then.
@@ -35,6 +38,8 @@ from autoscale.decisions import Decision, DecisionLog, default_log_path
 from autoscale.signals import HeldCalls, PoolSignals, held_calls, pool_signals
 
 LAST_PRESSURE_KEY = "foreserve_last_pressure_s"
+STARVED_SINCE_KEY = "foreserve_offline_starved_since_s"  # offline had work and no replica since then
+SHARE_KEY = "foreserve_offline_share"  # offline holds its one-replica share until its backlog is done
 
 
 class ScalingConfig(BaseModel):
@@ -50,6 +55,7 @@ class ScalingConfig(BaseModel):
     offline_backlog_tokens_per_replica: int = Field(32768, gt=0, description="Offline wants one replica per this many tokens of backlog (KV held + waiting prompt and predicted output tokens).")
     offline_idle_replicas: int = Field(1, ge=0, description="Offline replicas kept while online is calm even without backlog (warm for flex work); 0 lets the pool idle at its min_replicas.")
     calm_s: float = Field(20.0, ge=0, description="Online must have been calm this long before the offline pool grows back.")
+    offline_max_yield_s: float | None = Field(120.0, gt=0, description="Offline work waits at most this long without a replica while online is under pressure; then the pool gets one replica back and keeps it until its backlog is done. Empty: offline yields for as long as online is pressured.")
     replica_budget: int | None = Field(None, ge=1, description="Engine replicas the cluster holds, online + offline (e.g. GPUs / tensor_parallel_size); empty: the pools' max_replicas summed, i.e. no sharing.")
     online_deployment: str = Field("online", description="Name of the online pool's deployment.")
     offline_deployment: str = Field("offline", description="Name of the offline pool's deployment.")
@@ -113,6 +119,11 @@ def offline_decision(sig: PoolSignals, cfg: ScalingConfig, idle_replicas: int = 
     return Decision("offline", sig.replicas, desired, reason, detail, sig.summary())
 
 
+def offline_has_work(sig: PoolSignals, held: HeldCalls | None) -> bool:
+    """Offline has work in hand: tokens in its replicas, calls queued at its handle or held at the ingress."""
+    return sig.backlog_tokens > 0 or sig.queued_requests > 0 or bool(held and held.requests > 0)
+
+
 def _clamp(value: int, sig: PoolSignals) -> int:
     return max(sig.min_replicas, min(sig.max_replicas, value))
 
@@ -140,12 +151,15 @@ class ElasticPolicy:
         decisions: dict = {}
         online, offline = by_name.get(cfg.online_deployment), by_name.get(cfg.offline_deployment)
         ingress = by_name.get(cfg.ingress_deployment)
-        now = next((c.current_time for c in contexts.values() if c.current_time), None) or time.time()
+        now = next((c.current_time for c in contexts.values() if c.current_time is not None), None)
+        now = time.time() if now is None else now
 
         on_sig = pool_signals(online[1]) if online else None
         off_sig = pool_signals(offline[1]) if offline else None
         budget = cfg.replica_budget or sum(s.max_replicas for s in (on_sig, off_sig) if s)
         off_floor = off_sig.min_replicas if off_sig else 0
+        held = held_calls(ingress[1]) if ingress else None
+        share = self._share(state[offline[0]], off_sig, held, now) if offline else False
 
         pressured = False
         online_target = 0
@@ -155,7 +169,7 @@ class ElasticPolicy:
             decision = _bounded(decision, on_sig)
             # NOTE: online grows into what offline has given back (replicas still up hold their GPUs);
             # offline yields meanwhile, so the budget holds at every instant
-            off_in_use = max(off_floor, off_sig.replicas) if off_sig else 0
+            off_in_use = max(off_floor, off_sig.replicas, 1 if share else 0) if off_sig else 0
             if decision.desired > budget - off_in_use:
                 decision = Decision("online", decision.current, max(on_sig.min_replicas, budget - off_in_use),
                                     decision.reason, f"{decision.detail}; offline holds {off_in_use} of the {budget} replicas",
@@ -172,7 +186,7 @@ class ElasticPolicy:
             last_pressure = state[online[0]].get(LAST_PRESSURE_KEY) if online else None
             calm_for_s = math.inf if last_pressure is None else now - last_pressure
             room = budget - online_target
-            own = offline_decision(off_sig, cfg, cfg.offline_idle_replicas, held_calls(ingress[1]) if ingress else None)
+            own = offline_decision(off_sig, cfg, cfg.offline_idle_replicas, held)
             if pressured:
                 desired = max(off_floor, min(off_sig.target_replicas - 1, own.desired))
                 decision = Decision("offline", off_sig.replicas, desired, "yield", "online is under pressure", own.signals)
@@ -181,6 +195,10 @@ class ElasticPolicy:
             else:  # may shrink to what its backlog needs, may not grow until online is calm
                 decision = Decision("offline", off_sig.replicas, min(off_sig.target_replicas, own.desired), "wait_calm",
                                     f"online calm for {calm_for_s:.0f}/{cfg.calm_s:.0f} s; {own.detail}", own.signals)
+            if share and decision.desired < 1:
+                decision = Decision("offline", off_sig.replicas, 1, "share",
+                                    f"online is under pressure, but offline work waited {cfg.offline_max_yield_s:.0f} s "
+                                    f"without a replica: one until its backlog is done; {own.detail}", own.signals)
             if decision.desired > room:
                 decision = Decision("offline", decision.current, max(off_floor, room), decision.reason,
                                     f"{decision.detail}; online holds {online_target} of {budget} replicas",
@@ -193,6 +211,26 @@ class ElasticPolicy:
             if dep_id not in decisions:
                 decisions[dep_id] = ctx.target_num_replicas
         return decisions, state
+
+
+    def _share(self, off_state: dict, sig: PoolSignals, held: HeldCalls | None, now: float) -> bool:
+        """Whether offline is owed its one-replica share: its work has had no replica for
+        ``offline_max_yield_s``; owed until that work is done (kept in the pool's policy state)."""
+        limit = self.config.offline_max_yield_s
+        if limit is None or not offline_has_work(sig, held):
+            off_state.pop(STARVED_SINCE_KEY, None)
+            off_state.pop(SHARE_KEY, None)
+            return False
+        if off_state.get(SHARE_KEY):
+            return True
+        if sig.replicas > 0:  # a replica still works on it
+            off_state.pop(STARVED_SINCE_KEY, None)
+            return False
+        since = off_state.setdefault(STARVED_SINCE_KEY, now)
+        if now - since < limit:
+            return False
+        off_state[SHARE_KEY] = True
+        return True
 
 
 class _PoolPolicy:

@@ -223,3 +223,38 @@ def test_flex_calls_held_at_the_ingress_wake_offline_only_once_online_is_calm(tm
                            OFFLINE: context(OFFLINE, 0, min_replicas=0, max_replicas=1, now=100.0, config=offline_cfg),
                            INGRESS: ingress_context(0, 0, 100.0)})
     assert decisions[OFFLINE] == 0
+
+
+def test_offline_work_yielded_past_offline_max_yield_s_gets_one_replica_until_its_backlog_is_done(tmp_path):
+    """Online pressured without end (one replica, its max, on a budget of two) must not starve flex
+    work: after ``offline_max_yield_s`` of waiting the offline pool gets one replica back, keeps it
+    while it has backlog though online stays pressured, and yields again once that is done."""
+    policy = _apply_app_level_autoscaling_config(ElasticPolicy(
+        replica_budget=2, calm_s=20, offline_max_yield_s=60, offline_idle_replicas=1,
+        decision_log=str(tmp_path / "d.jsonl")))
+    online_cfg = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
+    offline_cfg = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=0,
+                                    downscale_to_zero_delay_s=0)  # NOTE: Serve times its delays by the wall clock
+    state: dict = {}
+    offline_replicas = 0
+    targets = []
+    for t in range(0, 200):
+        # the flex work: held at the ingress while offline is at zero; in its replica's KV after, until t=150
+        held = (3, 900) if offline_replicas == 0 and t < 150 else (0, 0)
+        backlog = {"kv_used": 900} if offline_replicas and t < 150 else {}
+        contexts = {
+            ONLINE: context(ONLINE, 1, min_replicas=1, max_replicas=1, ttft_ms=5000, now=float(t),
+                            state=state.get(ONLINE), config=online_cfg),
+            OFFLINE: context(OFFLINE, offline_replicas, min_replicas=0, max_replicas=1, now=float(t),
+                             state=state.get(OFFLINE), config=offline_cfg, **backlog),
+            INGRESS: ingress_context(*held, float(t), state.get(INGRESS)),
+        }
+        decisions, state = policy(contexts)
+        assert decisions[ONLINE] == 1
+        offline_replicas = decisions[OFFLINE]  # the replica starts at once
+        targets.append(offline_replicas)
+    assert targets[:60] == [0] * 60  # yielded: online is pressured
+    assert targets[60:150] == [1] * 90  # waited 60 s: one replica, kept while its backlog lasts
+    assert targets[-40:] == [0] * 40  # backlog done, online still pressured: yielded again
+    share = [d for d in read_decisions(tmp_path / "d.jsonl") if d["pool"] == "offline" and d["reason"] == "share"]
+    assert share and share[0]["desired"] == 1 and "waited 60 s" in share[0]["detail"]
