@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT = ("engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,redeploy,overload,batch,"
+DEFAULT = ("engine_kill,forward_error,engine_freeze,predictor_kill,predictor_freeze,controller_kill,registry_outage,redeploy,"
+           "overload,scale_down,batch,"
            "disconnect_storm,fuzz,hostile_input,tenants,drain")
 
 

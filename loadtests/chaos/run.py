@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from app.engine.faults import FORWARD_ERROR
-from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, soak
+from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, registry, scale_down, soak
 from loadtests.chaos.load import FLEX_SHARE, start_load
 from loadtests.chaos.score import overload, score
 from loadtests.loadtest import Service, get_json, served_model
@@ -37,8 +37,10 @@ FAULTS = {
     "predictor_kill": "SIGKILL the length predictor's replica under load",
     "predictor_freeze": "SIGSTOP the length predictor's replica under load (alive, answering nothing)",
     "controller_kill": "SIGKILL Serve's controller under load (Ray restarts it)",
+    "registry_outage": "the predictor registry's MLflow server stopped under load, started again 45 s later",
     "redeploy": "the app deployed again (a changed runtime_env) under load: Serve replaces every replica",
     "overload": "arrivals at --overload-rate (3x what the service answers) and no other fault",
+    "scale_down": "flex streams open when an online burst makes the offline pool give its replica up (a drain)",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "fuzz": "schemathesis: requests generated from the service's OpenAPI schema, every route",
     "hostile_input": "wrong types, huge n, 10^5 messages, 1 MB header, 100 MB body, deep JSON, bad ids",
@@ -50,9 +52,9 @@ FAULTS = {
 SIGNALS = {"engine_kill": ("online", signal.SIGKILL), "engine_freeze": ("online", signal.SIGSTOP),
            "predictor_kill": ("predictor", signal.SIGKILL), "predictor_freeze": ("predictor", signal.SIGSTOP),
            "controller_kill": ("controller", signal.SIGKILL)}
-LOAD = (*SIGNALS, "forward_error", "redeploy", "overload")
-STARTED_ONLY = ("forward_error", "redeploy", "drain")  # need the service this command started (its fault folder,
-# its local cluster, its process)
+LOAD = (*SIGNALS, "forward_error", "redeploy", "registry_outage", "overload")
+STARTED_ONLY = ("forward_error", "redeploy", "registry_outage", "drain")  # need the service this command started
+# (its fault folder, its local cluster, its registry server, its process)
 
 
 def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
@@ -67,10 +69,12 @@ def chaos_config(config: Path | None, fault_dir: Path, out: Path) -> Path:
     return out
 
 
-def inject(name: str, fault_dir: Path | None) -> list[int]:
+def inject(name: str, fault_dir: Path | None, registry_server=None) -> list[int]:
     """Cause fault ``name`` now; the pids it hit (a file-triggered fault hits the replica reading it)."""
     if name == "overload":  # the load is the fault
         return []
+    if name == "registry_outage":
+        return registry.outage(registry_server)
     if name == "redeploy":
         before = procs.pids("online")
         redeploy.redeploy()
@@ -109,19 +113,20 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
-                  status: str | None, fault_dir: Path | None = None, flex_share: float = FLEX_SHARE) -> dict:
+                  status: str | None, fault_dir: Path | None = None, flex_share: float = FLEX_SHARE,
+                  registry_server=None) -> dict:
     """Locust at ``rate`` for ``duration_s`` (``load.start_load``), the fault at ``inject_s``."""
     # NOTE: under overload the flex tier (which sheds nothing: flex work waits) finishes late, not never
     locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120, flex_share=flex_share)
     time.sleep(inject_s)
     fallbacks = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
     fault_at, t0 = time.time(), time.monotonic()
-    hit = inject(name, fault_dir)
+    hit = inject(name, fault_dir, registry_server)
     if name.endswith("_freeze"):  # Serve replaces it; let the frozen process go once it has
         thaw = threading.Timer(90, lambda: [_cont(p) for p in hit])
         thaw.daemon = True  # NOTE: never keeps the command alive after the run
         thaw.start()
-    noticed_s = wait_health_changed(url, status, 20)
+    noticed_s = wait_health_changed(url, status, registry.NOTICE_S if name == "registry_outage" else 20)
     ok_s = wait_health(url, status, 180)
     ok_s = None if ok_s is None else round(time.monotonic() - t0, 1)  # from the fault
     locust.join()
@@ -163,24 +168,32 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
     if wrong:
         raise ValueError("need " + "; ".join(wrong))
     report.mkdir(parents=True, exist_ok=True)
-    service, fault_dir = None, report / "faults"
-    if host is None:
-        served = chaos_config(config, fault_dir, report / "serve_config.yaml")
-        service = Service(served, report / "service.log", env={"FORESERVE_API_KEYS": ",".join(KEYS)})
-    url, key = host or service.url, os.environ.get("FORESERVE_API_KEY", KEYS[0]) if host else KEYS[0]
+    service, fault_dir, registry_server = None, report / "faults", None
+    env = {"FORESERVE_API_KEYS": ",".join(KEYS)}
+    if host is None and "registry_outage" in scenarios:  # the data dir's registry, behind a server to stop
+        from app.paths import home
+
+        registry_server = registry.registry_server(home(), report / "mlflow.log")
+        env["MLFLOW_TRACKING_URI"] = registry_server.url
     rows = []
     try:
+        if host is None:
+            served = chaos_config(config, fault_dir, report / "serve_config.yaml")
+            service = Service(served, report / "service.log", env=env)
+        url, key = host or service.url, os.environ.get("FORESERVE_API_KEY", KEYS[0]) if host else KEYS[0]
         model = served_model(url)
         for name in scenarios:
             print(f"chaos: {name}: {FAULTS[name]}", flush=True)
             before, status, t0 = procs.memory(), health_status(url), time.monotonic()
             if name in LOAD:
                 row = load_scenario(name, url, report / name, key, overload_rate if name == "overload" else rate,
-                                    duration_s, inject_s, status, fault_dir, flex_share)
+                                    duration_s, inject_s, status, fault_dir, flex_share, registry_server)
             elif name == "drain":
                 row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":
                 row = probes.disconnect_storm(url, key, model, streams=storm_streams)
+            elif name == "scale_down":
+                row = scale_down.scale_down(url, report / name, key, model, rate, duration_s, inject_s)
             elif name == "batch":
                 row = batch.batch_faults(url, key, model)
             elif name == "soak":
@@ -200,6 +213,8 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
     finally:
         if service is not None:
             service.stop()
+        if registry_server is not None:
+            registry_server.stop()
     summary = {"host": host or "started", "rate": rate, "duration_s": duration_s, "inject_s": inject_s,
                "scenarios": rows, "hung": sum(r["hung"] for r in rows), "broken": sum(r["broken"] for r in rows)}
     (report / "summary.json").write_text(json.dumps(summary, indent=2))
