@@ -53,7 +53,8 @@ def _tp1_answers(config: EngineConfig, num_blocks: int) -> tuple[list[list[int]]
 def test_tp2_matches_tp1_and_shuts_down_cleanly():
     from app.engine.parallel.tp import TPGroupError, TPRunner, shm_path
 
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1)
+    # float32 pinned: dtype auto is bfloat16 on a CPU with native bfloat16 (the next test's case)
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="float32")
     num_blocks = config.kv_pool_blocks(1)
     prompts, expected = _tp1_answers(config, num_blocks)
 
