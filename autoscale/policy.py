@@ -212,7 +212,6 @@ class ElasticPolicy:
                 decisions[dep_id] = ctx.target_num_replicas
         return decisions, state
 
-
     def _share(self, off_state: dict, sig: PoolSignals, held: HeldCalls | None, now: float) -> bool:
         """Whether offline is owed its one-replica share: its work has had no replica for
         ``offline_max_yield_s``; owed until that work is done (kept in the pool's policy state)."""

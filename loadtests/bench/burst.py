@@ -51,7 +51,7 @@ def _watch(app_name: str, pool: str, samples: list, stop: threading.Event, poll_
         stop.wait(poll_s)
 
 
-def _wait(predicate, timeout_s: float, poll_s: float = 0.5) -> float | None:
+def wait_until(predicate, timeout_s: float, poll_s: float = 0.5) -> float | None:
     """Seconds until ``predicate()`` held, or None after ``timeout_s``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -96,7 +96,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
     stop_watch = threading.Event()
     try:
         model = app_config.pools["online"].served_model_name
-        offline_up_s = _wait(lambda: pool_replicas(APP_NAME, "offline") >= 1, 120)
+        offline_up_s = wait_until(lambda: pool_replicas(APP_NAME, "offline") >= 1, 120)
         if offline_up_s is None:
             raise RuntimeError("the offline pool never started its replica")
         results: list[dict] = []
@@ -112,7 +112,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
         watcher.start()
         for t in online + flex:
             t.start()
-        gave_up_s = _wait(lambda: pool_replicas(APP_NAME, "offline", ("RUNNING", "STARTING")) == 0, timeout_s)
+        gave_up_s = wait_until(lambda: pool_replicas(APP_NAME, "offline", ("RUNNING", "STARTING")) == 0, timeout_s)
         gave_up_at = time.monotonic()
         for t in late:  # the pool has yielded and online is still busy: these must not wake it
             t.start()
@@ -120,7 +120,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
             t.join()
         burst_s = time.monotonic() - burst_start
         online_done_at = time.monotonic()
-        back_s = _wait(lambda: pool_replicas(APP_NAME, "offline") >= 1, timeout_s)
+        back_s = wait_until(lambda: pool_replicas(APP_NAME, "offline") >= 1, timeout_s)
         for t in flex + late:
             t.join()
         stop_watch.set()

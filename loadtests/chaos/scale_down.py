@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from loadtests.bench.burst import wait_until
 from loadtests.chaos import procs
 from loadtests.chaos.load import start_load
 from loadtests.chaos.score import score
@@ -24,13 +25,8 @@ BURST_TOKENS = 128
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
-def _wait(predicate, timeout_s: float, poll_s: float = 0.5) -> float | None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if predicate():
-            return round(time.monotonic() - t0, 1)
-        time.sleep(poll_s)
-    return None
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def _online_chat(url: str, key: str, model: str, results: list) -> None:
@@ -52,14 +48,14 @@ def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_
     senders = [threading.Thread(target=_online_chat, args=(url, key, model, results), daemon=True) for _ in range(BURST)]
     for sender in senders:
         sender.start()
-    yielded_s = _wait(lambda: not procs.pids("offline"), 180)
+    yielded_s = wait_until(lambda: not procs.pids("offline"), 180)
     for sender in senders:
         sender.join()
     burst_s = round(time.monotonic() - t0, 1)
-    back_s = _wait(lambda: bool(procs.pids("offline")), 300) if yielded_s is not None else None
+    back_s = wait_until(lambda: bool(procs.pids("offline")), 300) if yielded_s is not None else None
     locust.join()
     row = score(read_records(out / "requests.jsonl"), fault_at)
-    return {**row, "pids_hit": hit, "offline_yielded_s": yielded_s, "burst_s": burst_s,
-            "offline_back_after_burst_s": back_s, "burst_sent": BURST, "burst_answered": results.count(200),
+    return {**row, "pids_hit": hit, "offline_yielded_s": _round(yielded_s), "burst_s": burst_s,
+            "offline_back_after_burst_s": _round(back_s), "burst_sent": BURST, "burst_answered": results.count(200),
             "burst_refused_429": results.count(429),
             "burst_failed": [r for r in results if r not in (200, 429)]}
