@@ -180,7 +180,7 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         for report in preflight(config, env):
             if report["model_fetched"]:
                 print(f"node {report['node_ip']}: fetched the model from the store", file=sys.stderr, flush=True)
-    serve.start(proxy_location=proxy_location, http_options=http)
+    serve.start(proxy_location=proxy_location, http_options=http, controller_options=top.get("controller_options"))
     client = _get_global_client()
     if joined:  # a declarative deploy deletes the declarative apps it leaves out: keep the others'
         others = other_declarative_apps(client.get_serve_details(), entry["name"])

@@ -368,5 +368,7 @@ def test_a_frozen_replica_is_replaced_and_its_request_answered(served):
             os.kill(actor.pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert reply.choices[0].message.content and took < 120, took
     print(f"a request sent to a frozen replica was answered in {took:.1f} s")
+    # NOTE: a bound on the fault's handling (3 checks x the timeout, a forced stop, the replacement's
+    # start), not a speed goal: before the forced stop it was 52 s (Serve's graceful stop waited)
+    assert reply.choices[0].message.content and took < 30, took
