@@ -61,14 +61,17 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.5) -> float | None
     return None
 
 
-def _send(url: str, model: str, prompt: str, tier: str, max_tokens: int, results: list) -> None:
+def send_chat(url: str, model: str, prompt: str, tier: str, max_tokens: int, results: list, key: str | None = None) -> None:
+    """One greedy chat of ``max_tokens`` on ``tier``; appends its status, tokens and seconds (or the
+    exception, a lost request) to ``results``."""
     import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "service_tier": tier}
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     t0 = time.monotonic()
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
         tokens = r.json().get("usage", {}).get("completion_tokens", 0) if r.status_code == 200 else 0
         results.append({"tier": tier, "status": r.status_code, "tokens": tokens, "s": time.monotonic() - t0})
     except Exception as exc:  # noqa: BLE001 - a lost request is the failure this scenario looks for
@@ -102,7 +105,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
         results: list[dict] = []
 
         def senders(n: int, tier: str, tokens: int) -> list[threading.Thread]:
-            return [threading.Thread(target=_send, args=(url, model, PROMPTS[i % len(PROMPTS)], tier, tokens, results))
+            return [threading.Thread(target=send_chat, args=(url, model, PROMPTS[i % len(PROMPTS)], tier, tokens, results))
                     for i in range(n)]
 
         online, flex = senders(burst_requests, "default", max_tokens), senders(flex_requests, "flex", max_tokens // 2)

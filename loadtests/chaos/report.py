@@ -15,6 +15,11 @@ def _memory(row: dict) -> str:
     return ", ".join(f"{k} {before.get(k, 0):.0f}→{after.get(k, 0):.0f}" for k in after if before.get(k) or after.get(k))
 
 
+def _plot(row: dict) -> str:
+    """A scenario's figure (the soak's RSS over time), beside report.html."""
+    return f'<img src="{html.escape(row["rss_plot"])}" alt="RSS over time">' if row.get("rss_plot") else ""
+
+
 def write_html(path: Path, summary: dict) -> None:
     head = "".join(f"<th>{c}</th>" for c in (*COLUMNS, "RSS MB before→after"))
     rows = []
@@ -23,7 +28,8 @@ def write_html(path: Path, summary: dict) -> None:
         cells = "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in COLUMNS)
         rows.append(f"<tr class={'bad' if bad else 'ok'}>{cells}<td>{html.escape(_memory(row))}</td></tr>")
     details = "".join(
-        f"<h3>{html.escape(r['scenario'])}</h3><pre>{html.escape(json.dumps(r, indent=1))}</pre>" for r in summary["scenarios"])
+        f"<h3>{html.escape(r['scenario'])}</h3>{_plot(r)}<pre>{html.escape(json.dumps(r, indent=1))}</pre>"
+        for r in summary["scenarios"])
     path.write_text(f"""<!doctype html><meta charset=utf-8><title>foreserve chaos</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{border:1px solid #ccc;padding:4px 8px}}
 table{{border-collapse:collapse}} tr.bad{{background:#fdd}} tr.ok{{background:#efe}} pre{{background:#f6f6f6;padding:8px}}</style>

@@ -12,9 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
-from loadtests.bench.burst import wait_until
+from loadtests.bench.burst import send_chat, wait_until
 from loadtests.chaos import procs
 from loadtests.chaos.load import start_load
 from loadtests.chaos.score import score
@@ -29,23 +27,14 @@ def _round(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
 
 
-def _online_chat(url: str, key: str, model: str, results: list) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": BURST_TOKENS,
-            "temperature": 0}
-    try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600)
-        results.append(r.status_code)
-    except httpx.HTTPError as exc:  # a reset or a timeout: what this scenario looks for
-        results.append(type(exc).__name__)
-
-
 def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_s: float, inject_s: float) -> dict:
     """Flex-only Locust load at ``rate`` for ``duration_s``; the online burst at ``inject_s``."""
     locust = start_load(url, out, key, rate, duration_s, drain_s=600, flex_share=1.0)  # flex waits for its pool
     time.sleep(inject_s)
     hit, fault_at, t0 = procs.pids("offline"), time.time(), time.monotonic()
     results: list = []
-    senders = [threading.Thread(target=_online_chat, args=(url, key, model, results), daemon=True) for _ in range(BURST)]
+    senders = [threading.Thread(target=send_chat, args=(url, model, PROMPT, "default", BURST_TOKENS, results, key), daemon=True)
+               for _ in range(BURST)]
     for sender in senders:
         sender.start()
     yielded_s = wait_until(lambda: not procs.pids("offline"), 180)
@@ -55,7 +44,8 @@ def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_
     back_s = wait_until(lambda: bool(procs.pids("offline")), 300) if yielded_s is not None else None
     locust.join()
     row = score(read_records(out / "requests.jsonl"), fault_at)
+    statuses = [r["status"] for r in results]
     return {**row, "pids_hit": hit, "offline_yielded_s": _round(yielded_s), "burst_s": burst_s,
-            "offline_back_after_burst_s": _round(back_s), "burst_sent": BURST, "burst_answered": results.count(200),
-            "burst_refused_429": results.count(429),
-            "burst_failed": [r for r in results if r not in (200, 429)]}
+            "offline_back_after_burst_s": _round(back_s), "burst_sent": BURST, "burst_answered": statuses.count(200),
+            "burst_refused_429": statuses.count(429),
+            "burst_failed": [r.get("error", r["status"]) for r in results if r["status"] not in (200, 429)]}

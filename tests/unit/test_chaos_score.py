@@ -94,3 +94,12 @@ def test_a_batch_output_is_scored_line_by_line_against_its_input():
     assert output_counts(whole, 4) == {"answered": 4, "failed_rows": 0, "lost": 0, "duplicated": 0}
     bad = "\n".join([line("row-0"), line("row-0"), line("row-1", {"message": "x"}), line("row-2")]).encode()
     assert output_counts(bad, 4) == {"answered": 3, "failed_rows": 1, "lost": 1, "duplicated": 1}
+
+
+def test_the_soak_plots_each_roles_rss(tmp_path):
+    from loadtests.chaos.soak import plot_rss
+
+    samples = {"online": [(t, 1000.0 + t / 60) for t in range(0, 600, 10)], "proxy": [(t, 200.0) for t in range(0, 600, 10)],
+               "offline": []}
+    plot_rss(samples, 120.0, tmp_path / "rss.png")
+    assert (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
