@@ -30,8 +30,9 @@ def slope_mb_per_hour(samples: list[tuple[float, float]]) -> float | None:
     return round(float(np.polyfit(t, mb, 1)[0]) * 3600, 1)
 
 
-def plot_rss(samples: dict[str, list[tuple[float, float]]], window_s: float, path: Path) -> None:
-    """Each role's RSS over the run, the end of the warm-up window marked."""
+def plot_rss(samples: dict[str, list[tuple[float, float]]], slopes: dict[str, float | None], window_s: float,
+             path: Path) -> None:
+    """Each role's RSS over the run, labelled with its ``slopes`` (MB/hour), the end of the warm-up window marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,7 +42,8 @@ def plot_rss(samples: dict[str, list[tuple[float, float]]], window_s: float, pat
     for role, points in samples.items():
         if points:
             t, mb = np.array(points).T
-            ax.plot(t / 60, mb, label=f"{role} ({slope_mb_per_hour(points):+g} MB/h)" if len(points) > 2 else role)
+            slope = slopes.get(role)
+            ax.plot(t / 60, mb, label=role if slope is None else f"{role} ({slope:+g} MB/h)")
     ax.axvline(window_s / 60, color="grey", linestyle="--", label="end of the first window")
     ax.set(xlabel="minutes into the soak", ylabel="RSS (MB)", title="RSS of each role under steady load")
     ax.grid(alpha=0.3)
@@ -82,11 +84,12 @@ def soak(url: str, out: Path, key: str, rate: float, minutes: float, every_s: fl
     first = [r["ttft_ms"] for r in online if r["start"] - start < window]
     last = [r["ttft_ms"] for r in online if r["start"] - start >= duration_s - window]
     failed = row["clean_error"] + row["broken"] + row["hung"]
+    slopes = {role: slope_mb_per_hour(s) for role, s in samples.items() if s}
     (out / "rss.json").write_text(json.dumps(samples))
-    plot_rss(samples, window, out / "rss.png")
+    plot_rss(samples, slopes, window, out / "rss.png")
     return {**row, "minutes": minutes, "cancel_fraction": CANCEL_FRACTION,
             "error_rate": round(failed / max(1, row["sent"] - row["cut"]), 4),
-            "rss_slope_mb_per_hour": {role: slope_mb_per_hour(s) for role, s in samples.items() if s},
+            "rss_slope_mb_per_hour": slopes,
             "rss_slope_after_first_window_mb_per_hour": {
                 role: slope_mb_per_hour([p for p in s if p[0] >= window]) for role, s in samples.items() if s},
             "rss_plot": f"{out.name}/rss.png",

@@ -101,5 +101,5 @@ def test_the_soak_plots_each_roles_rss(tmp_path):
 
     samples = {"online": [(t, 1000.0 + t / 60) for t in range(0, 600, 10)], "proxy": [(t, 200.0) for t in range(0, 600, 10)],
                "offline": []}
-    plot_rss(samples, 120.0, tmp_path / "rss.png")
+    plot_rss(samples, {"online": 60.0, "proxy": 0.0}, 120.0, tmp_path / "rss.png")
     assert (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
