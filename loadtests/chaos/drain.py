@@ -55,6 +55,9 @@ def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Eve
     out["outcome"] = "answered" if done and not error and tokens == body["max_tokens"] else f"{error or 'cut'}"
 
 
+RESETS = ("ReadError", "RemoteProtocolError")  # the connection closed with no answer
+
+
 def _probe(url: str, headers: dict, model: str) -> str:
     """One new request during the drain: ``200``, ``503+retry`` (503 with Retry-After), ``refused``
     (nothing listens any more) or what else came back."""
@@ -68,6 +71,19 @@ def _probe(url: str, headers: dict, model: str) -> str:
     if response.status_code == 503 and response.headers.get("retry-after"):
         return "503+retry"
     return str(response.status_code)
+
+
+def unclean_probes(probes: list[str]) -> tuple[list[str], int]:
+    """The drain's probes, in the order sent, that got neither an answer, a 503 with Retry-After nor a
+    refused connection; and 1 if the last one that reached the service was reset as it stopped.
+
+    NOTE: that reset is counted apart. Serve's proxy stops last and is killed (``ProxyActor.shutdown``
+    does nothing in Ray 2.60): a request it took after the app's replicas began to stop waits for
+    them, then is reset when the proxy dies. A reset while the drain went on is unclean."""
+    unclean = [p for p in probes if p not in ("200", "503+retry", "refused")]
+    answers = [p for p in probes if p != "refused"]
+    at_exit = int(bool(answers) and answers[-1] in RESETS)
+    return unclean[:len(unclean) - at_exit], at_exit
 
 
 def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens: int = 48,
@@ -91,9 +107,11 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
         os.killpg(service.proc.pid, signal.SIGINT)
     else:
         service.proc.send_signal(signal.SIGTERM)
-    probes = []
+    probes, trace = [], []
     while service.proc.poll() is None and time.monotonic() - t0 < timeout_s:
+        sent = time.monotonic()
         probes.append(_probe(url, headers, model))
+        trace.append((round(sent - t0, 2), round(time.monotonic() - sent, 2), probes[-1]))
         if probes[-1] == "refused":
             break
         time.sleep(0.25)
@@ -108,11 +126,12 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
     left = procs.session(service.proc.pid)
     counts = {o: probes.count(o) for o in sorted(set(probes))}
     streamed = [out.get("outcome", "hung") for out in outs]
-    unclean = [p for p in probes if p not in ("200", "503+retry", "refused")]
+    unclean, at_exit = unclean_probes(probes)
     return {"sent": streams + len(probes), "answered": streamed.count("answered") + counts.get("200", 0),
             "clean_error": counts.get("503+retry", 0), "hung": streamed.count("hung"),
             "broken": sum(o not in ("answered", "hung") for o in streamed) + len(unclean) + int(code is None) + len(left),
-            "recovery_s": None, "health_ok_after_s": None, "probes": counts, "streams": streamed,
+            "recovery_s": None, "health_ok_after_s": None, "probes": counts, "reset_at_exit": at_exit,
+            "probe_trace": trace, "streams": streamed,
             "exit_code": code, "stopped_after_s": stopped_s, "left_processes": left,
             "left_in_dev_shm": sorted(_shm() - shm_before),
             "broken_examples": sorted({o for o in streamed if o not in ("answered", "hung")} | set(unclean))[:3]}

@@ -103,3 +103,14 @@ def test_the_soak_plots_each_roles_rss(tmp_path):
                "offline": []}
     plot_rss(samples, {"online": 60.0, "proxy": 0.0}, 120.0, tmp_path / "rss.png")
     assert (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_reset_counts_apart_only_as_the_last_probe_before_the_port_closed():
+    from loadtests.chaos.drain import unclean_probes
+
+    assert unclean_probes(["200", "503+retry", "503+retry", "ReadError", "refused"]) == ([], 1)
+    assert unclean_probes(["503+retry", "RemoteProtocolError"]) == ([], 1)  # the service exited during it
+    assert unclean_probes(["503+retry", "ReadError", "503+retry", "refused"]) == (["ReadError"], 0)
+    assert unclean_probes(["ReadError", "ReadError", "refused"]) == (["ReadError"], 1)
+    assert unclean_probes(["503+retry", "500", "refused"]) == (["500"], 0)
+    assert unclean_probes(["refused"]) == ([], 0)
