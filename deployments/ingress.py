@@ -5,7 +5,8 @@ One request's path: auth → body limit → JSON + schema (400 with the failing 
 max_tokens, counted) → the pool's engine (``service_tier`` flex → offline, anything else → online).
 The first engine item is awaited before any byte is sent, so a pool at its queue limit is a clean
 429 with Retry-After and an engine rejection a clean 400: nothing half-accepted. A client that goes
-away cancels the handle call, which aborts the request in the engine and frees its KV blocks.
+away cancels the handle call, which aborts the request in the engine and frees its KV blocks. The
+calls to the pools, requeued or resumed when a replica is lost: ``deployments/pool_calls.py``.
 
 OpenAI's Files and Batch API (``/v1/files``, ``/v1/batches``) run foreserve batch jobs (Ray Jobs on
 Ray Data) through this app's offline pool: ``deployments/files_batches.py``. The FastAPI app, its
@@ -26,8 +27,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app import paths
@@ -44,44 +43,15 @@ from deployments.engine_server import GenerateRequest
 from deployments.files_batches import FilesAndBatches
 from deployments.health import report as health_report
 from deployments.http_app import DRAIN, app
-from deployments.pool_gate import GateClosed, GateFull, PoolGate, replica_states
-from deployments.router import reservation_tokens
+from deployments.pool_calls import PoolCalls
+from deployments.pool_gate import PoolGate, replica_states
 
 logger = logging.getLogger("ray.serve")
-
-# A replica that went away under a request (drained by a scale-down past graceful_shutdown_timeout_s,
-# or died): the request is resumed on another replica, which recomputes what was there, like a
-# preempted sequence (Ingress._start before the first token, Ingress._answer after it).
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
-REQUEUE_ATTEMPTS = 3
-async def _rest(stream, first: dict) -> AsyncIterator[dict]:
-    """The first item (already received) followed by the rest of the stream; an engine error
-    item (this request failed in the engine) raises its OpenAI error."""
-    yield first
-    if first["finished"]:
-        return
-    async for item in stream:
-        if "error" in item:
-            raise _engine_error(item["error"])
-        yield item
-        if item["finished"]:
-            return
-
 
 def _cancel_unstarted(stream, result: ChatResult) -> None:
     """Cancel ``stream`` if its answer never streamed a byte (its body was dropped unstarted)."""
     if not result.sent_role:
         stream.cancel()
-
-
-def _engine_error(error: dict, retry_after_s: int = 2, pool: str = "online") -> errors.APIError:
-    """The engine's refusal (400: the prompt and max_tokens do not fit its KV; 429: it sheds load,
-    its queue past ``max_queue_delay_ms``) or failure (500)."""
-    if error.get("status_code") == 429:
-        return errors.overloaded(retry_after_s, pool, "is too busy to answer in time (its queue is past its delay limit)")
-    if error.get("status_code", 400) == 400:
-        return errors.bad_request(error["message"], param="max_tokens", code="context_length_exceeded")
-    return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
@@ -110,6 +80,7 @@ class Ingress(FilesAndBatches):
         # NOTE: files and batches live in the store every node sees: any replica answers for any of them
         self.batches = BatchStore(paths.store(self.config.store), app_name=serve.get_replica_context().app_name)
         self.offline_gate = PoolGate(self._replica_states, "offline")
+        self.calls = PoolCalls(self.pools, self.config.ingress, self.offline_gate, self.metrics)
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
@@ -209,7 +180,7 @@ class Ingress(FilesAndBatches):
                 predictor_bound_tokens=min(pred["bound_tokens"], max_tokens)),
             predictor_text=text,
         )
-        stream, first = await self._start(request, body.pool)
+        stream, first = await self.calls.start(request, body.pool)
         result = ChatResult(request.request_id, self.model_id, tier, t0, first)
         headers = {
             "x-foreserve-request-id": request.request_id,
@@ -222,7 +193,7 @@ class Ingress(FilesAndBatches):
             events = self._sse(request, body.pool, stream, result, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            async for item in self._answer(request, body.pool, stream, result):
+            async for item in self.calls.answer(request, body.pool, stream, result):
                 result.add(item)
         except errors.APIError:
             raise
@@ -232,87 +203,12 @@ class Ingress(FilesAndBatches):
         self._observe(result)
         return JSONResponse(completion(result).model_dump(), headers=headers)
 
-    async def _start(self, request: GenerateRequest, pool: str, new: bool = True) -> tuple:
-        """Send ``request`` to ``pool``; (stream, first item). A replica lost before the first item
-        (a scale-down drained it, or it died) is retried on the pool, up to ``REQUEUE_ATTEMPTS``.
-        Offline calls wait while the autoscaler has that pool at zero (deployments/pool_gate.py)."""
-        payload = request.model_dump()
-        for attempt in range(1, REQUEUE_ATTEMPTS + 1):
-            if pool == "offline":
-                limits = self.config.ingress
-                try:
-                    # NOTE: only a new request may be refused: a requeue or a resumed answer already holds its slot
-                    max_held = limits.flex_max_held if new and attempt == 1 else None
-                    await self.offline_gate.wait(reservation_tokens([payload]), limits.flex_max_wait_s, max_held)
-                except GateFull:
-                    raise errors.overloaded(limits.retry_after_s, "offline") from None
-                except GateClosed:
-                    raise errors.shutting_down(limits.retry_after_s) from None
-            stream = self.pools[pool].options(stream=True).generate.remote(payload)
-            try:
-                return stream, await self._first_item(stream, pool)
-            except REPLICA_LOST as exc:
-                stream.cancel()
-                if attempt == REQUEUE_ATTEMPTS:
-                    logger.exception("%s pool failed before the first token", pool)
-                    raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
-                logger.warning("%s lost its %s replica before the first token (%s); requeued",
-                               request.request_id, pool, type(exc).__name__)
-        raise AssertionError("unreachable")
-
-    async def _first_item(self, stream, pool: str) -> dict:
-        try:
-            first = await stream.__anext__()
-        except BackPressureError:
-            raise errors.overloaded(self.config.ingress.retry_after_s, pool) from None
-        except REPLICA_LOST:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a dead or missing replica: retryable, not a 500
-            logger.exception("%s pool failed before the first token", pool)
-            raise errors.unavailable(f"The {pool} pool is unavailable: {type(exc).__name__}") from None
-        if "error" in first:
-            raise _engine_error(first["error"], self.config.ingress.retry_after_s, pool)
-        return first
-
-    async def _answer(self, request: GenerateRequest, pool: str, stream, result: ChatResult) -> AsyncIterator[dict]:
-        """The engine's items for ``request`` (``result.first`` first). A replica lost mid-answer (a
-        scale-down drained it past its graceful shutdown, or it died) does not end the answer: it is
-        resumed on another replica of the pool, which recomputes the prompt and the tokens so far,
-        like a preempted sequence, and goes on from there (up to ``REQUEUE_ATTEMPTS`` times)."""
-        first = result.first
-        try:
-            for attempt in range(1, REQUEUE_ATTEMPTS + 1):
-                try:
-                    async for item in _rest(stream, first):
-                        yield item
-                    stream = None  # answered: nothing left to cancel
-                    return
-                except REPLICA_LOST as exc:
-                    stream.cancel()
-                    if attempt == REQUEUE_ATTEMPTS:
-                        raise errors.unavailable(f"The {pool} pool failed while answering: {type(exc).__name__}") from None
-                    done = len(result.token_ids)
-                    logger.warning("%s lost its %s replica after %d tokens (%s); resuming on another",
-                                   request.request_id, pool, done, type(exc).__name__)
-                    self.metrics.resumed(result.tier)
-                    if done >= request.sampling.max_tokens:  # only the final item was lost
-                        stream = None
-                        yield {"request_id": request.request_id, "text": "", "finished": True, "finish_reason": "length",
-                               "prompt_tokens": result.prompt_tokens, "completion_tokens": done, "token_ids": []}
-                        return
-                    resumed = request.model_copy(update={"resume_output_token_ids": list(result.token_ids),
-                                                         "resume_emitted_chars": len(result.text)})
-                    stream, first = await self._start(resumed, pool, new=False)
-        finally:
-            if stream is not None:  # the client went away, or the answer failed: stop the engine's work
-                stream.cancel()
-
     def _sse(self, request: GenerateRequest, pool: str, stream, result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of a streamed answer (``_stream_events`` over ``_answer``). A client that
+        """The SSE events of a streamed answer (``_stream_events`` over ``PoolCalls.answer``). A client that
         goes away between the engine's first item and the first byte leaves the body never started,
         and a generator never started runs no ``finally``: when it is dropped unstarted, the
         engine's request is cancelled all the same."""
-        events = self._stream_events(self._answer(request, pool, stream, result), result, include_usage)
+        events = self._stream_events(self.calls.answer(request, pool, stream, result), result, include_usage)
         weakref.finalize(events, _cancel_unstarted, stream, result)
         return events
 

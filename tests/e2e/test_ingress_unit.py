@@ -102,7 +102,13 @@ class _Pool:
         return self.streams.pop(0)
 
 
-@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
+def _calls(pools: dict, gate: PoolGate | None, limits: dict | None = None, metrics=None):
+    from deployments.pool_calls import PoolCalls
+
+    config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": limits or {}})
+    return PoolCalls(pools, config.ingress, gate, metrics)
+
+
 def test_a_drained_replica_is_requeued_not_lost():
     """A replica removed by a scale-down (or dead) before the first token: the request goes to the
     pool again; after REQUEUE_ATTEMPTS losses the client gets a retryable 503."""
@@ -110,20 +116,17 @@ def test_a_drained_replica_is_requeued_not_lost():
 
     from app.api import errors
     from deployments.engine_server import GenerateRequest
-    from deployments.ingress import REQUEUE_ATTEMPTS, Ingress
+    from deployments.pool_calls import REQUEUE_ATTEMPTS
 
-    ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
     lost = [_Stream([], ActorDiedError()), _Stream([], ActorUnavailableError("draining", None))]
     ok = _Stream([_item("hi", 1, True, "stop")])
-    ingress.pools = {"offline": _Pool([*lost, ok])}
-    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY", "RUNNING": 1}}, "offline")
-    stream, first = asyncio.run(ingress._start(GenerateRequest(), "offline"))
-    assert stream is ok and first["text"] == "hi" and ingress.pools["offline"].calls == 3
+    calls = _calls({"offline": _Pool([*lost, ok])}, PoolGate(lambda: {"offline": {"status": "HEALTHY", "RUNNING": 1}}, "offline"))
+    stream, first = asyncio.run(calls.start(GenerateRequest(), "offline"))
+    assert stream is ok and first["text"] == "hi" and calls.pools["offline"].calls == 3
     assert all(s.cancelled for s in lost)
-    ingress.pools = {"offline": _Pool([_Stream([], ActorDiedError()) for _ in range(REQUEUE_ATTEMPTS)])}
+    calls.pools["offline"] = _Pool([_Stream([], ActorDiedError()) for _ in range(REQUEUE_ATTEMPTS)])
     with pytest.raises(errors.APIError) as err:
-        asyncio.run(ingress._start(GenerateRequest(), "offline"))
+        asyncio.run(calls.start(GenerateRequest(), "offline"))
     assert err.value.status_code == 503
 
 
@@ -132,24 +135,21 @@ def test_flex_waits_while_the_offline_pool_is_at_zero():
     the autoscaler has the pool up again; meanwhile the call is counted as held."""
     from app.engine.request import SamplingParams
     from deployments.engine_server import GenerateRequest
-    from deployments.ingress import Ingress
 
-    ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
     states = {"offline": {"status": "DOWNSCALING", "STOPPING": 1}}
-    ingress.offline_gate = PoolGate(lambda: states, "offline", poll_s=0.01)
-    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
+    calls = _calls({"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])},
+                   PoolGate(lambda: states, "offline", poll_s=0.01))
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
 
     async def scenario():
-        call = asyncio.ensure_future(ingress._start(request, "offline"))
+        call = asyncio.ensure_future(calls.start(request, "offline"))
         await asyncio.sleep(0.1)
-        assert ingress.pools["offline"].calls == 0 and not call.done()
-        assert ingress.record_autoscaling_stats() == {"held_requests": 1.0, "held_tokens": 43.0}
+        assert calls.pools["offline"].calls == 0 and not call.done()
+        assert calls.offline_gate.stats() == {"held_requests": 1.0, "held_tokens": 43.0}  # the ingress's autoscaling stats
         states["offline"] = {"status": "UPSCALING", "STARTING": 1}
         _, first = await asyncio.wait_for(call, 30)  # a hang guard, not a speed claim
-        assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
-        assert ingress.record_autoscaling_stats()["held_requests"] == 0.0
+        assert first["text"] == "hi" and calls.pools["offline"].calls == 1
+        assert calls.offline_gate.stats()["held_requests"] == 0.0
 
     asyncio.run(scenario())
 
@@ -158,23 +158,20 @@ def test_flex_past_the_held_limit_gets_a_429_with_retry_after():
     from app.api import errors
     from app.engine.request import SamplingParams
     from deployments.engine_server import GenerateRequest
-    from deployments.ingress import Ingress
 
-    ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": {"flex_max_held": 1}})
-    ingress.offline_gate = PoolGate(lambda: {"offline": {"status": "HEALTHY"}}, "offline", poll_s=0.01)  # at zero
-    ingress.offline_gate.held_requests = 1  # one call already waits
-    ingress.pools = {"offline": _Pool([])}
+    gate = PoolGate(lambda: {"offline": {"status": "HEALTHY"}}, "offline", poll_s=0.01)  # at zero
+    gate.held_requests = 1  # one call already waits
+    calls = _calls({"offline": _Pool([])}, gate, {"flex_max_held": 1})
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=40))
     with pytest.raises(errors.APIError) as err:
-        asyncio.run(ingress._start(request, "offline"))
+        asyncio.run(calls.start(request, "offline"))
     assert err.value.status_code == 429 and err.value.headers == {"Retry-After": "2"}
-    assert ingress.pools["offline"].calls == 0 and ingress.offline_gate.held_requests == 1
+    assert calls.pools["offline"].calls == 0 and gate.held_requests == 1
     # a resumed answer (or a requeue) already holds its slot: it waits its turn, it is not refused
-    ingress.config.ingress.flex_max_wait_s = 0.05
-    ingress.pools = {"offline": _Pool([_Stream([_item("hi", 1, True, "stop")])])}
-    _, first = asyncio.run(ingress._start(request, "offline", new=False))
-    assert first["text"] == "hi" and ingress.pools["offline"].calls == 1
+    calls.limits.flex_max_wait_s = 0.05
+    calls.pools["offline"] = _Pool([_Stream([_item("hi", 1, True, "stop")])])
+    _, first = asyncio.run(calls.start(request, "offline", new=False))
+    assert first["text"] == "hi" and calls.pools["offline"].calls == 1
 
 
 def _token_item(text: str, n: int, token: int, finished: bool = False) -> dict:
@@ -201,17 +198,16 @@ def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
             pass
 
     ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
     ingress.metrics = Metrics()
     broken = _Stream([_token_item("Hel", 1, 11), _token_item("lo", 2, 12)], fail_after=ActorDiedError())
     rest = _Stream([_token_item(" wor", 3, 13), _token_item("ld", 4, 14, finished=True)])
-    ingress.pools = {"online": _Pool([rest])}
+    ingress.calls = _calls({"online": _Pool([rest])}, None, metrics=ingress.metrics)
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=4))
 
     async def go():
         first = await broken.__anext__()
         result = ChatResult(request.request_id, "m", "online", 0.0, first)
-        events = [e async for e in ingress._stream_events(ingress._answer(request, "online", broken, result), result, True)]
+        events = [e async for e in ingress._stream_events(ingress.calls.answer(request, "online", broken, result), result, True)]
         return result, events
 
     result, events = asyncio.run(go())
@@ -219,7 +215,7 @@ def test_an_answer_whose_replica_is_lost_mid_stream_resumes_on_another():
     assert events[-1] == "data: [DONE]\n\n" and not any("error" in c for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello world"
     assert chunks[-1]["usage"]["completion_tokens"] == 4 and result.token_ids == [11, 12, 13, 14]
-    resumed = ingress.pools["online"].requests[0]
+    resumed = ingress.calls.pools["online"].requests[0]
     assert resumed["resume_output_token_ids"] == [11, 12] and resumed["resume_emitted_chars"] == 5
     assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["request_id"] == request.request_id
     assert broken.cancelled and not rest.cancelled and Metrics.resumes == 1
@@ -262,7 +258,7 @@ def test_a_stream_whose_body_is_never_read_still_cancels_the_engine_request():
     from deployments.ingress import Ingress
 
     ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
+    ingress.calls = _calls({}, None)
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=2))
 
     def events_of(stream: _Stream):
@@ -304,15 +300,15 @@ def test_an_unexpected_failure_mid_stream_tells_the_client_no_internals():
     internals = RuntimeError('ray::ServeReplica:foreserve:online (pid=1, ip=10.0.0.1)\nTraceback (most recent call '
                              'last):\n  File "/work/main/app/engine/engine.py", line 1, in step')
     ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}})
     ingress.metrics = Metrics()
+    ingress.calls = _calls({}, None, metrics=ingress.metrics)
     broken = _Stream([_token_item("Hel", 1, 11)], fail_after=internals)
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams(max_tokens=4))
 
     async def go():
         first = await broken.__anext__()
         result = ChatResult(request.request_id, "m", "online", 0.0, first)
-        return [e async for e in ingress._stream_events(ingress._answer(request, "online", broken, result), result, True)]
+        return [e async for e in ingress._stream_events(ingress.calls.answer(request, "online", broken, result), result, True)]
 
     events = asyncio.run(go())
     assert events[-1] == "data: [DONE]\n\n"
@@ -321,19 +317,15 @@ def test_an_unexpected_failure_mid_stream_tells_the_client_no_internals():
     assert not any(leak in events[-2] for leak in ("Traceback", "pid=", "/work/", "File "))
 
 
-@pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__:RuntimeWarning")
 def test_an_engine_shedding_load_is_a_429_with_retry_after():
     """A pool past its ``max_queue_delay_ms`` refuses a new request with a 429 item: the client gets
     OpenAI's rate-limit error with Retry-After before any byte, not a 400 or a 500."""
     from app.api import errors
     from deployments.engine_server import GenerateRequest
-    from deployments.ingress import Ingress
 
-    ingress = object.__new__(Ingress.func_or_class)
-    ingress.config = AppConfig.model_validate({"pools": {"online": {}, "offline": {}}, "ingress": {"retry_after_s": 3}})
     shed = _Stream([{"request_id": "r", "error": {"status_code": 429, "message": "the oldest waiting request ..."}}])
-    ingress.pools = {"online": _Pool([shed])}
+    calls = _calls({"online": _Pool([shed])}, None, {"retry_after_s": 3})
     with pytest.raises(errors.APIError) as refused:
-        asyncio.run(ingress._start(GenerateRequest(prompt_token_ids=[1]), "online"))
+        asyncio.run(calls.start(GenerateRequest(prompt_token_ids=[1]), "online"))
     assert refused.value.status_code == 429 and refused.value.headers == {"Retry-After": "3"}
     assert refused.value.body()["error"]["type"] == "rate_limit_error"
