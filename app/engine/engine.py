@@ -84,7 +84,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
-        from app.engine.model.hf_runner import HFRunner, on_short_lived_thread
+        from app.engine.model.hf_runner import HFRunner
+        from app.engine.model.setup import on_short_lived_thread
         from app.engine.model.llama import model_config
 
         hf_config = model_config(config.model_path)

@@ -31,7 +31,7 @@ class PredictStage:
 
     def __init__(self, predictor: str, version: str, threads: int = 1, bound_quantile: float | None = None) -> None:
         t0 = time.perf_counter()
-        from app.engine.model.hf_runner import on_short_lived_thread
+        from app.engine.model.setup import on_short_lived_thread
         from predictor.loading import load_predictor
 
         store = paths.predictor_store() if predictor.isdigit() else None

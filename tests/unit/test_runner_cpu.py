@@ -78,7 +78,7 @@ def test_linear_leaves_other_modules_to_their_forward():
 def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
     import threading
 
-    from app.engine.model.hf_runner import on_short_lived_thread
+    from app.engine.model.setup import on_short_lived_thread
 
     seen: list[threading.Thread] = []
 

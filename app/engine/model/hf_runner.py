@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,41 +25,13 @@ from app.engine.model.cpu_linear import fast_linear, fuse_rows, linear, native_b
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
+from app.engine.model.setup import resolve_device, torch_dtype
 from app.engine.model.step_inputs import Step, build_step
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-T = TypeVar("T")
-
 
 def _is_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
     """Llama's ``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections."""
     parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     return hasattr(mlp, "act_fn") and all(type(p) is torch.nn.Linear for p in parts)
-
-
-def on_short_lived_thread(build: Callable[[], T]) -> T:
-    """``build()`` run on a thread of its own that ends with it; its exception is re-raised here.
-
-    OpenMP keeps one thread team per thread that runs parallel work, and two teams in one process
-    make every step slower: a model loaded on one thread and stepped on another (Ray Data's actors
-    call ``__call__`` on a worker thread, the async engine steps on its own) ran its decode steps
-    ~1.2x slower on 2 cores, measured here (Ray Data batch job: 1.5x against the same engine in one
-    thread). Loading on a thread that ends frees its team, so the stepping thread owns the only one.
-    """
-    # NOTE: leaving the ``with`` joins the executor's one worker thread, which frees its team
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="foreserve-load") as loader:
-        return loader.submit(build).result()
-
-
-def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` is the first CUDA device when there is one, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,8 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
 
     hf_logging.disable_progress_bar()  # N ranks' bars are noise (and tqdm's lock leaks a semaphore)
 
-    from app.engine.model.hf_runner import HFRunner, torch_dtype
+    from app.engine.model.hf_runner import HFRunner
+    from app.engine.model.setup import torch_dtype
 
     dtype = torch_dtype(config.weights_dtype)
     deepspeed.init_distributed(dist_backend=dist_backend(config.device), auto_mpi_discovery=False, verbose=False)
