@@ -7,13 +7,16 @@
 ``engine`` drives ``EngineServer("online")`` (serve_config.yaml's online pool) with ShareGPT chats of
 the prepared training traces (max_tokens their true length, at most 64), ``--cancel`` of them
 closed by their client after 3 items; ``predictor`` runs the champion on the traces' prompts in
-batches of 1 to 8 from ``--threads`` threads. Both print the process's RSS every ``--every`` items.
-Feedback the engine writes goes to a temporary data dir, never to the prepared one."""
+batches of 1 to 8 from ``--threads`` threads. Both print the process's RSS every ``--every`` items;
+``engine`` also prints the error items so far by status (the online pool sheds load on a busy
+machine: a run with refusals is not a memory figure). ``--distinct N`` sends the same N prompts again
+and again. Feedback the engine writes goes to a temporary data dir, never to the prepared one."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
 import tempfile
@@ -38,8 +41,9 @@ def _traces(limit: int) -> list[TraceRecord]:
     return rows[:limit]
 
 
-def engine(requests: int, concurrency: int, cancel: float, every: int) -> None:
-    rows = _traces(requests)
+def engine(requests: int, concurrency: int, cancel: float, every: int, distinct: int = 0) -> None:
+    rows = _traces(distinct or requests)
+    rows = [rows[i % len(rows)] for i in range(requests)]  # the same prompts again past ``distinct``
     model = paths.model_dir()
     home = Path(tempfile.mkdtemp(prefix="foreserve-memory-"))
     (home / "models").mkdir()
@@ -49,7 +53,7 @@ def engine(requests: int, concurrency: int, cancel: float, every: int) -> None:
 
     server = EngineServer("online")
     rnd = random.Random(1)
-    t0, done = time.time(), 0
+    t0, done, failed = time.time(), 0, collections.Counter()
 
     async def one(i: int, slots: asyncio.Semaphore) -> None:
         nonlocal done
@@ -59,14 +63,16 @@ def engine(requests: int, concurrency: int, cancel: float, every: int) -> None:
         async with slots:
             stream = server.generate(request)
             items = 0
-            async for _ in stream:
+            async for item in stream:
                 items += 1
+                if "error" in item:  # refused or failed: no work done, so it must not count as a request served
+                    failed[item["error"].get("status_code")] += 1
                 if cut and items == 3:
                     await stream.aclose()
                     break
         done += 1
         if done % every == 0:
-            print(f"{done} requests  RSS {rss_mb():.0f} MB  {time.time() - t0:.0f} s", flush=True)
+            print(f"{done} requests  RSS {rss_mb():.0f} MB  {time.time() - t0:.0f} s  errors {dict(failed)}", flush=True)
 
     async def run() -> None:
         slots = asyncio.Semaphore(concurrency)
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--concurrency", type=int, default=4)
     e.add_argument("--cancel", type=float, default=0.05, help="share of chats closed by their client mid-way")
     e.add_argument("--every", type=int, default=100, help="print RSS every this many requests")
+    e.add_argument("--distinct", type=int, default=0,
+                   help="cycle through this many prompts (0: every request a new one): does RSS grow with new shapes only?")
     p = sub.add_parser("predictor", help="the champion length predictor from several threads")
     p.add_argument("--prompts", type=int, default=12000)
     p.add_argument("--threads", type=int, default=8)
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     process_defaults()
     if args.what == "engine":
-        engine(args.requests, args.concurrency, args.cancel, args.every)
+        engine(args.requests, args.concurrency, args.cancel, args.every, args.distinct)
     else:
         predictor(args.prompts, args.threads, args.every)
 
