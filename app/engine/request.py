@@ -151,12 +151,13 @@ class Request:
 
     @property
     def rank_remaining_tokens(self) -> float:
-        """Predicted tokens still to generate, by the ranking estimate while it holds; an answer
-        that outgrew it falls back to the bound (not to "one token left" forever)."""
+        """Predicted tokens still to generate, by the ranking estimate while it holds (never past
+        ``max_tokens``: an answer ends there whatever the prompt suggests); an answer that outgrew
+        it falls back to the bound (not to "one token left" forever)."""
         rank = self.prediction.rank_tokens
         if rank is None or self.num_output_tokens >= rank:
             return self.predicted_remaining_tokens
-        return rank - self.num_output_tokens
+        return max(min(rank, self.sampling.max_tokens) - self.num_output_tokens, 1)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) of prompt + output."""

@@ -7,17 +7,63 @@ rather than queue it where its first token would come too late. Two tests, becau
   is otherwise taken whole before anyone has waited long; the rate is measured only over steps
   that began with a backlog, so an idle engine's pace never makes a lone request look late, and
   a pool bound by its KV (admitting one request as another ends) shows its real, slow rate.
+
+The rate lags too when the KV fills with long answers: a third test reads the predictions. The
+KV the waiting requests and the new one reserve frees as the running answers reach their
+predicted ends and the waiting ones, started as it frees, reach theirs
+(``kv_wait_steps``); past the limit at the engine's recent step time, the new
+request is refused.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+import heapq
+from collections.abc import Callable, Iterable, Iterator
 
 from app.engine.request import Request
 
 WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
 MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
+STEP_EMA = 0.1  # weight of the newest step in the recent step time
+
+
+def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[tuple[int, int]],
+                         queue: Iterable[tuple[int, int]] = ()) -> int | None:
+    """Decode steps until a request reserving ``need_tokens`` of KV can start, behind ``queue``,
+    the requests waiting ahead of it in order, each ``(tokens, steps to its predicted end)``:
+    ``free_tokens`` now, and each running answer, ``(steps to its predicted end, tokens)``, frees
+    its tokens when it ends; a queued request starts as soon as its tokens are free and frees them
+    at its own end. None: it needs more than the whole pool."""
+    ends = list(running)
+    heapq.heapify(ends)
+    step = 0
+    for tokens, steps in [*queue, (need_tokens, None)]:
+        while tokens > free_tokens:
+            if not ends:
+                return None
+            end, freed = heapq.heappop(ends)
+            step, free_tokens = max(step, end), free_tokens + freed
+        if steps is None:
+            return step
+        free_tokens -= tokens
+        heapq.heappush(ends, (step + steps, tokens))
+    raise AssertionError("unreachable")
+
+
+def kv_wait_steps(new: Request, waiting: Iterable[Request], running: Iterable[Request],
+                  reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
+    """``steps_until_admitted`` for ``new`` behind every waiting request (oldest first), each
+    reserving what the allocation policy plans for it (``reserve``: its ``reservation_tokens``;
+    nothing for ``paged``, which preempts instead), while each running answer frees its
+    reservation at its predicted end."""
+    def left(r: Request) -> int:
+        return max(1, r.predicted_output_tokens - r.num_output_tokens)
+
+    running = list(running)
+    free = capacity_tokens - sum(reserve(r) for r in running)
+    queue = [(reserve(r), left(r)) for r in sorted(waiting, key=lambda r: r.arrival_s)]
+    return steps_until_admitted(reserve(new), free, [(left(r), reserve(r)) for r in running], queue)
 
 
 def awaiting_first_token(requests: Iterable[Request]) -> Iterator[Request]:
@@ -37,12 +83,15 @@ class LoadShedder:
         self._seconds = 0.0
         self._firsts = 0
         self.ready_s: float | None = None  # when the first step ended: waits before it are a cold start's
+        self.step_s: float | None = None  # recent step time (moving average)
 
     def observe(self, backlog: bool, first_tokens: int, step_s: float, now_s: float) -> None:
         """One step (ended at ``now_s``): whether requests were waiting for their first token as it
         began, how many got it."""
         if self.ready_s is None:
             self.ready_s = now_s
+        if step_s > 0:
+            self.step_s = step_s if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * step_s
         if not backlog or step_s <= 0:
             return
         self._steps.append((first_tokens, step_s))
@@ -77,3 +126,15 @@ class LoadShedder:
         if rate and len(pending) / rate > self.limit_s:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
+
+    def check_kv(self, wait_steps: int | None) -> None:
+        """Raise ``EngineOverloaded`` if the KV a new request needs (after those waiting ahead of
+        it) frees only past the limit, ``wait_steps`` decode steps away (``kv_wait_steps``)."""
+        if self.ready_s is None or self.step_s is None or wait_steps == 0:
+            return
+        if wait_steps is None:  # more than the whole pool: the engine refuses it as too long
+            return
+        wait_s = wait_steps * self.step_s
+        if wait_s > self.limit_s:
+            raise EngineOverloaded(f"the KV this request needs frees in about {wait_s:.1f} s (the running answers' "
+                                   f"predicted ends), past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})")

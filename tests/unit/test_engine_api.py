@@ -158,11 +158,10 @@ def test_new_requests_are_shed_when_the_backlog_would_take_past_the_queue_delay(
     from tests.engine_helpers import run_all
 
     engine = make_engine("reserve_max", kv_tokens=32, block=16, max_queue_delay_ms=1000, step_s=0.05)
-    add(engine, "lone", 10, 5)
-    engine.step()
-    assert engine.shedder.first_tokens_per_s is None  # no backlog yet: no rate, nothing shed
-    for i in range(12):
+    for i in range(12):  # before the first step: nothing is known of the pace, nothing is shed
         add(engine, f"b{i}", 10, 5)
+    engine.step()
+    assert engine.shedder.first_tokens_per_s is None  # less than a second of backlog seen: no rate yet
     run_all(engine)
     rate = engine.shedder.first_tokens_per_s
     assert rate == pytest.approx(2 / 0.25, rel=0.25)  # two first tokens per 5 steps of 0.05 s
@@ -178,3 +177,37 @@ def test_without_a_queue_delay_limit_nothing_is_shed():
     add(engine, "a", 10, 5)
     engine.clock.idle_until(3600)
     add(engine, "b", 10, 5)
+
+
+def test_kv_frees_at_the_running_answers_predicted_ends():
+    from app.engine.shedding import steps_until_admitted
+
+    assert steps_until_admitted(10, 10, []) == 0  # fits now
+    assert steps_until_admitted(80, 10, [(50, 40), (5, 30), (20, 40)]) == 20  # 10 + 30 (at 5) + 40 (at 20)
+    # behind a queued request of 40 tokens for 100 steps: it takes the first 40 freed (at 20), so 80 at 50
+    assert steps_until_admitted(80, 10, [(50, 40), (5, 30), (20, 40)], [(40, 100)]) == 50
+    # a pool of 32 holding two 16-token answers of 5 steps, 6 more queued: waves of two, 5 steps each
+    assert steps_until_admitted(16, 0, [(5, 16), (5, 16)], [(16, 5)] * 6) == 20
+    assert steps_until_admitted(200, 10, [(5, 30)]) is None  # more than the whole pool
+
+
+def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
+    """The rate of first tokens lags when long answers fill the KV: a new request whose reservation
+    frees only at the running answers' predicted ends, past the limit at the engine's step time, is
+    refused; one that fits in what is left, or whose KV frees in time, is taken."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("reserve_predicted", kv_tokens=256, max_queue_delay_ms=1000, step_s=0.05)
+    for rid in ("long1", "long2"):
+        add(engine, rid, 10, 100, predicted=100)  # 110 tokens each of the 256
+    for _ in range(5):
+        engine.step()
+    assert engine.shedder.step_s == pytest.approx(0.05)
+    with pytest.raises(EngineOverloaded, match=r"KV this request needs frees in about 4\.\d s"):
+        add(engine, "big", 10, 100, predicted=100)  # waits ~95 steps of 0.05 s for long1's end
+    assert "big" not in engine.scheduler.requests
+    add(engine, "small", 10, 10, predicted=10)  # 20 tokens: fits in the 36 left
+    while engine.scheduler.requests["long1"].num_output_tokens < 85:
+        engine.step()
+    add(engine, "big", 10, 100, predicted=100)  # long1 ends in ~15 steps: 0.75 s
+    run_all(engine)

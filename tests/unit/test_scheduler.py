@@ -158,6 +158,17 @@ def test_online_orders_by_the_ranking_estimate_not_the_bound():
     assert z.rank_remaining_tokens == z.predicted_remaining_tokens == 48
 
 
+def test_online_ranks_no_answer_past_its_max_tokens():
+    """An answer ends at max_tokens whatever its prompt suggests: a ranking estimate beyond it counts
+    as max_tokens, so answers capped alike are served in arrival order, not by ranks (500 against
+    100) that none of them can reach."""
+    engine = make_engine("reserve_predicted", "online", kv_tokens=16, max_num_batched_tokens=512)  # one block
+    add(engine, "first", 10, 6, predicted=6, rank=500.0, max_tokens=6)  # 16 tokens: the whole pool
+    add(engine, "second", 10, 6, predicted=6, rank=100.0, max_tokens=6)
+    assert engine.scheduler.requests["first"].rank_remaining_tokens == 6
+    assert first_step_ids(engine) == ["first"]
+
+
 def test_online_ages_long_request_past_a_stream_of_short_ones():
     engine = make_engine("reserve_predicted", "online", kv_tokens=32, ttft_slo_ms=1000.0, step_s=0.01)
     add(engine, "long", 28, 4, predicted=4)  # needs both blocks from the start
