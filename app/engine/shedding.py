@@ -1,5 +1,6 @@
 """Load shedding for a latency pool (``EngineConfig.max_queue_delay_ms``): refuse a new request
-rather than queue it where its first token would come too late. Two tests, because the first lags:
+rather than queue it where its first token would come too late. Three tests, because each lags
+where the next does not:
 
 - the oldest request still without its first token has waited past the limit;
 - the requests waiting for their first token, at the rate the engine gave first tokens while it
@@ -7,12 +8,10 @@ rather than queue it where its first token would come too late. Two tests, becau
   is otherwise taken whole before anyone has waited long; the rate is measured only over steps
   that began with a backlog, so an idle engine's pace never makes a lone request look late, and
   a pool bound by its KV (admitting one request as another ends) shows its real, slow rate.
-
-The rate lags too when the KV fills with long answers: a third test reads the predictions. The
-KV the waiting requests and the new one reserve frees as the running answers reach their
-predicted ends and the waiting ones, started as it frees, reach theirs
-(``kv_wait_steps``); past the limit at the engine's recent step time, the new
-request is refused.
+- the KV the waiting requests and the new one reserve frees past the limit (``kv_wait_steps``):
+  the running answers free theirs at their predicted ends, and the waiting ones, started as it
+  frees, at theirs; timed at the engine's recent step time. The rate lags when long answers fill
+  the KV: it still reads the pace from before.
 """
 
 from __future__ import annotations
@@ -31,14 +30,14 @@ STEP_EMA = 0.1  # weight of the newest step in the recent step time
 def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[tuple[int, int]],
                          queue: Iterable[tuple[int, int]] = ()) -> int | None:
     """Decode steps until a request reserving ``need_tokens`` of KV can start, behind ``queue``,
-    the requests waiting ahead of it in order, each ``(tokens, steps to its predicted end)``:
-    ``free_tokens`` now, and each running answer, ``(steps to its predicted end, tokens)``, frees
+    the requests waiting ahead of it in order: ``free_tokens`` now, and each running answer frees
     its tokens when it ends; a queued request starts as soon as its tokens are free and frees them
-    at its own end. None: it needs more than the whole pool."""
+    at its own end. Both are ``(steps to its predicted end, tokens)``. None: it needs more than
+    the whole pool."""
     ends = list(running)
     heapq.heapify(ends)
     step = 0
-    for tokens, steps in [*queue, (need_tokens, None)]:
+    for steps, tokens in [*queue, (None, need_tokens)]:
         while tokens > free_tokens:
             if not ends:
                 return None
@@ -62,7 +61,7 @@ def kv_wait_steps(new: Request, waiting: Iterable[Request], running: Iterable[Re
 
     running = list(running)
     free = capacity_tokens - sum(reserve(r) for r in running)
-    queue = [(reserve(r), left(r)) for r in sorted(waiting, key=lambda r: r.arrival_s)]
+    queue = [(left(r), reserve(r)) for r in sorted(waiting, key=lambda r: r.arrival_s)]
     return steps_until_admitted(reserve(new), free, [(left(r), reserve(r)) for r in running], queue)
 
 

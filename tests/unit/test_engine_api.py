@@ -185,9 +185,9 @@ def test_kv_frees_at_the_running_answers_predicted_ends():
     assert steps_until_admitted(10, 10, []) == 0  # fits now
     assert steps_until_admitted(80, 10, [(50, 40), (5, 30), (20, 40)]) == 20  # 10 + 30 (at 5) + 40 (at 20)
     # behind a queued request of 40 tokens for 100 steps: it takes the first 40 freed (at 20), so 80 at 50
-    assert steps_until_admitted(80, 10, [(50, 40), (5, 30), (20, 40)], [(40, 100)]) == 50
+    assert steps_until_admitted(80, 10, [(50, 40), (5, 30), (20, 40)], [(100, 40)]) == 50
     # a pool of 32 holding two 16-token answers of 5 steps, 6 more queued: waves of two, 5 steps each
-    assert steps_until_admitted(16, 0, [(5, 16), (5, 16)], [(16, 5)] * 6) == 20
+    assert steps_until_admitted(16, 0, [(5, 16), (5, 16)], [(5, 16)] * 6) == 20
     assert steps_until_admitted(200, 10, [(5, 30)]) is None  # more than the whole pool
 
 
