@@ -191,27 +191,10 @@ class LLMEngine:
     def _record_feedback(self, req: Request) -> None:
         if req.predictor_text is None or self.feedback is None:
             return
-        from predictor.feedback import FeedbackRecord
+        from app.engine.labels import feedback_record
 
-        pred = req.prediction
-        # NOTE: the predictor's bound as it came (growth and preemption raise req.predicted_output_tokens
-        # later), at its own quantile whatever the pool reserved: the labels and the retraining
-        # trigger judge the predictor, not the pool's choice.
-        own = pred.bound_tokens if pred.predictor_bound_tokens is None else pred.predictor_bound_tokens
         try:
-            self.feedback.append(FeedbackRecord(
-                request_id=req.request_id,
-                prompt=req.predictor_text,
-                predicted_bucket=pred.bucket if pred.bucket >= 0 else None,
-                predicted_bound_tokens=max(1, min(int(own), req.sampling.max_tokens)),
-                output_tokens=req.num_output_tokens,
-                finish_reason=req.finish_reason or "unknown",
-                ignore_eos=req.sampling.ignore_eos,
-                tier=req.tier,
-                model_id=self.config.served_model_name,
-                predictor_version=pred.version,
-                source="offline" if req.tier == "offline" else "online",
-            ))
+            self.feedback.append(feedback_record(req, self.config.served_model_name))
         except Exception:  # noqa: BLE001 - losing a label must not fail the request
             logger.exception("could not write the feedback record of %s", req.request_id)
 

@@ -25,6 +25,7 @@ from app.engine.request import Request
 WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
 MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
 STEP_EMA = 0.1  # weight of the newest step in the recent step time
+WARMUP_STEPS = 8  # a replica's first steps carry one-time kernel warm-up: not its pace
 
 
 def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[tuple[int, int]],
@@ -82,14 +83,16 @@ class LoadShedder:
         self._seconds = 0.0
         self._firsts = 0
         self.ready_s: float | None = None  # when the first step ended: waits before it are a cold start's
-        self.step_s: float | None = None  # recent step time (moving average)
+        self.step_s: float | None = None  # recent step time (moving average), after the warm-up steps
+        self._steps_seen = 0
 
     def observe(self, backlog: bool, first_tokens: int, step_s: float, now_s: float) -> None:
         """One step (ended at ``now_s``): whether requests were waiting for their first token as it
         began, how many got it."""
         if self.ready_s is None:
             self.ready_s = now_s
-        if step_s > 0:
+        self._steps_seen += 1
+        if step_s > 0 and self._steps_seen > WARMUP_STEPS:
             self.step_s = step_s if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * step_s
         if not backlog or step_s <= 0:
             return

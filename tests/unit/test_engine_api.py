@@ -200,7 +200,12 @@ def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
     engine = make_engine("reserve_predicted", kv_tokens=256, max_queue_delay_ms=1000, step_s=0.05)
     for rid in ("long1", "long2"):
         add(engine, rid, 10, 100, predicted=100)  # 110 tokens each of the 256
-    for _ in range(5):
+    for _ in range(8):
+        engine.step()
+    assert engine.shedder.step_s is None  # warm-up steps say nothing of the pace: nothing shed on it
+    add(engine, "early", 10, 100, predicted=100)
+    engine.abort("early")
+    for _ in range(4):
         engine.step()
     assert engine.shedder.step_s == pytest.approx(0.05)
     with pytest.raises(EngineOverloaded, match=r"KV this request needs frees in about 4\.\d s"):
