@@ -60,10 +60,10 @@ def kv_wait_steps(new: Request, waiting: Iterable[Request], running: Iterable[Re
     def left(r: Request) -> int:
         return max(1, r.predicted_output_tokens - r.num_output_tokens)
 
-    running = list(running)
-    free = capacity_tokens - sum(reserve(r) for r in running)
+    ends = [(left(r), reserve(r)) for r in running]
+    free = capacity_tokens - sum(tokens for _, tokens in ends)
     queue = [(left(r), reserve(r)) for r in sorted(waiting, key=lambda r: r.arrival_s)]
-    return steps_until_admitted(reserve(new), free, [(left(r), reserve(r)) for r in running], queue)
+    return steps_until_admitted(reserve(new), free, ends, queue)
 
 
 def awaiting_first_token(requests: Iterable[Request]) -> Iterator[Request]:
@@ -132,9 +132,8 @@ class LoadShedder:
     def check_kv(self, wait_steps: int | None) -> None:
         """Raise ``EngineOverloaded`` if the KV a new request needs (after those waiting ahead of
         it) frees only past the limit, ``wait_steps`` decode steps away (``kv_wait_steps``)."""
-        if self.ready_s is None or self.step_s is None or wait_steps == 0:
-            return
-        if wait_steps is None:  # more than the whole pool: the engine refuses it as too long
+        # NOTE: no pace before the warm-up steps are past; None: more than the whole pool (refused as too long)
+        if self.step_s is None or not wait_steps:
             return
         wait_s = wait_steps * self.step_s
         if wait_s > self.limit_s:
