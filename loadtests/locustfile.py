@@ -160,6 +160,7 @@ class ChatUser(HttpUser):
             with self.client.post("/v1/chat/completions", json=body, headers=headers, stream=True,
                                   name=f"chat[{tier}]", catch_response=True) as response:
                 record["status"] = response.status_code
+                record["request_id"] = response.headers.get("x-foreserve-request-id")
                 if response.status_code != 200:
                     record["error"] = f"HTTP {response.status_code}: {response.text[:200]}"
                     record["retry_after"] = response.headers.get("Retry-After")

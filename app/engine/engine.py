@@ -15,7 +15,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
-from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token, kv_wait_steps
+from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
 from predictor.base import LengthPredictor, MaxPredictor
@@ -145,8 +145,8 @@ class LLMEngine:
         bound = max(1, min(int(prediction.bound_tokens), sampling.max_tokens))
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), sampling.max_tokens)
         if self.shedder is not None and not resumed:
-            self.shedder.check_kv(kv_wait_steps(req, self.scheduler.waiting, self.scheduler.running,
-                                                self.policy.reservation_tokens, self.pool.capacity_tokens))
+            self.shedder.check_admission(first_token_steps(req, self.scheduler, self.policy.reservation_tokens,
+                                                           self.pool.capacity_tokens))
         self.scheduler.add(req)
         if request.detokenize and self.tokenizer is not None:
             final_only = not request.stream_text and not sampling.stop and not request.resume_emitted_chars

@@ -8,16 +8,20 @@ where the next does not:
   is otherwise taken whole before anyone has waited long; the rate is measured only over steps
   that began with a backlog, so an idle engine's pace never makes a lone request look late, and
   a pool bound by its KV (admitting one request as another ends) shows its real, slow rate.
-- the KV the waiting requests and the new one reserve frees past the limit (``kv_wait_steps``):
-  the running answers free theirs at their predicted ends, and the waiting ones, started as it
-  frees, at theirs; timed at the engine's recent step time. The rate lags when long answers fill
-  the KV: it still reads the pace from before.
+- the new request's first token is past the limit at the engine's recent step time
+  (``first_token_steps``): room for it, behind the waiting ones, frees too late (its KV
+  reservation and a place in the running batch, ``max_num_seqs`` or the online scheduler's TPOT
+  cap; the running answers free theirs at their predicted ends, the waiting ones, started as room
+  frees, at theirs), or the prompts ahead of it and its own take too long to compute in what each
+  step's token budget leaves after the running answers' decodes. The rate lags when long answers
+  fill the KV or the batch, or the decodes fill the steps: it still reads the pace from before.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 from app.engine.request import Request
@@ -29,17 +33,17 @@ WARMUP_STEPS = 8  # a replica's first steps carry one-time kernel warm-up: not i
 
 
 def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[tuple[int, int]],
-                         queue: Iterable[tuple[int, int]] = ()) -> int | None:
+                         queue: Iterable[tuple[int, int]] = (), slots: int | None = None) -> int | None:
     """Decode steps until a request reserving ``need_tokens`` of KV can start, behind ``queue``,
     the requests waiting ahead of it in order: ``free_tokens`` now, and each running answer frees
-    its tokens when it ends; a queued request starts as soon as its tokens are free and frees them
-    at its own end. Both are ``(steps to its predicted end, tokens)``. None: it needs more than
-    the whole pool."""
+    its tokens (and its place among at most ``slots`` running) when it ends; a queued request
+    starts as soon as both are free and frees them at its own end. Both are ``(steps to its
+    predicted end, tokens)``. None: it needs more than the whole pool."""
     ends = list(running)
     heapq.heapify(ends)
     step = 0
     for steps, tokens in [*queue, (None, need_tokens)]:
-        while tokens > free_tokens:
+        while tokens > free_tokens or (slots is not None and len(ends) >= slots):
             if not ends:
                 return None
             end, freed = heapq.heappop(ends)
@@ -51,19 +55,40 @@ def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[t
     raise AssertionError("unreachable")
 
 
-def kv_wait_steps(new: Request, waiting: Iterable[Request], running: Iterable[Request],
-                  reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
+def admission_wait_steps(new: Request, waiting: Iterable[Request], running: Iterable[Request],
+                         reserve: Callable[[Request], int], capacity_tokens: int, max_running: int) -> int | None:
     """``steps_until_admitted`` for ``new`` behind every waiting request (oldest first), each
     reserving what the allocation policy plans for it (``reserve``: its ``reservation_tokens``;
-    nothing for ``paged``, which preempts instead), while each running answer frees its
-    reservation at its predicted end."""
+    nothing for ``paged``, which preempts instead), at most ``max_running`` at once, while each
+    running answer frees its reservation and its place at its predicted end."""
     def left(r: Request) -> int:
         return max(1, r.predicted_output_tokens - r.num_output_tokens)
 
     ends = [(left(r), reserve(r)) for r in running]
     free = capacity_tokens - sum(tokens for _, tokens in ends)
     queue = [(left(r), reserve(r)) for r in sorted(waiting, key=lambda r: r.arrival_s)]
-    return steps_until_admitted(reserve(new), free, ends, queue)
+    return steps_until_admitted(reserve(new), free, ends, queue, max_running)
+
+
+def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Request], budget: int) -> int:
+    """Steps until ``new``'s prompt is computed behind every prompt not yet through (waiting, or
+    part-way in the running batch): each step carries the running answers' decodes first and prompt
+    chunks in what is left of its token ``budget`` (at least one token)."""
+    running = list(running)
+    decodes = sum(1 for r in running if r.output_token_ids)
+    ahead = sum(r.num_tokens - r.num_computed_tokens for r in awaiting_first_token([*running, *waiting]))
+    return math.ceil((ahead + new.num_tokens) / max(1, budget - decodes))
+
+
+def first_token_steps(new: Request, scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
+    """Decode steps before ``new``'s first token, at the least: room for it to start
+    (``admission_wait_steps``) and its prompt computed (``prefill_steps``), whichever comes later.
+    None: it needs more than the whole pool."""
+    admit = admission_wait_steps(new, scheduler.waiting, scheduler.running, reserve, capacity_tokens,
+                                 scheduler.max_running())
+    if admit is None:
+        return None
+    return max(admit, prefill_steps(new, scheduler.running, scheduler.waiting, scheduler.step_token_budget()))
 
 
 def awaiting_first_token(requests: Iterable[Request]) -> Iterator[Request]:
@@ -129,13 +154,14 @@ class LoadShedder:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
 
-    def check_kv(self, wait_steps: int | None) -> None:
-        """Raise ``EngineOverloaded`` if the KV a new request needs (after those waiting ahead of
-        it) frees only past the limit, ``wait_steps`` decode steps away (``kv_wait_steps``)."""
+    def check_admission(self, wait_steps: int | None) -> None:
+        """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps
+        away (``first_token_steps``) and that is past the limit."""
         # NOTE: no pace before the warm-up steps are past; None: more than the whole pool (refused as too long)
         if self.step_s is None or not wait_steps:
             return
         wait_s = wait_steps * self.step_s
         if wait_s > self.limit_s:
-            raise EngineOverloaded(f"the KV this request needs frees in about {wait_s:.1f} s (the running answers' "
-                                   f"predicted ends), past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})")
+            raise EngineOverloaded(f"this request's first token is about {wait_s:.1f} s away (room for it frees at the "
+                                   f"running answers' predicted ends; the prompts ahead of it are computed in what "
+                                   f"the steps leave), past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})")

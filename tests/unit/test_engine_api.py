@@ -189,6 +189,9 @@ def test_kv_frees_at_the_running_answers_predicted_ends():
     # a pool of 32 holding two 16-token answers of 5 steps, 6 more queued: waves of two, 5 steps each
     assert steps_until_admitted(16, 0, [(5, 16), (5, 16)], [(5, 16)] * 6) == 20
     assert steps_until_admitted(200, 10, [(5, 30)]) is None  # more than the whole pool
+    # KV to spare, but two sequences at most: the third starts at the first end, the fourth at the second
+    assert steps_until_admitted(10, 1000, [(5, 10), (9, 10)], slots=2) == 5
+    assert steps_until_admitted(10, 1000, [(5, 10), (9, 10)], [(30, 10)], slots=2) == 9
 
 
 def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
@@ -208,7 +211,7 @@ def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
     for _ in range(4):
         engine.step()
     assert engine.shedder.step_s == pytest.approx(0.05)
-    with pytest.raises(EngineOverloaded, match=r"KV this request needs frees in about 4\.\d s"):
+    with pytest.raises(EngineOverloaded, match=r"first token is about 4\.\d s away"):
         add(engine, "big", 10, 100, predicted=100)  # waits ~95 steps of 0.05 s for long1's end
     assert "big" not in engine.scheduler.requests
     add(engine, "small", 10, 10, predicted=10)  # 20 tokens: fits in the 36 left
@@ -216,3 +219,45 @@ def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
         engine.step()
     add(engine, "big", 10, 100, predicted=100)  # long1 ends in ~15 steps: 0.75 s
     run_all(engine)
+
+
+def test_new_requests_are_shed_when_a_batch_slot_frees_past_the_queue_delay():
+    """KV to spare does not make room when the running batch is full (``max_num_seqs``, or the
+    online scheduler's TPOT cap): a new request starts only as a running answer ends, and is
+    refused when that is past the limit at the engine's step time."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("reserve_predicted", kv_tokens=4096, max_num_seqs=2, max_queue_delay_ms=1000, step_s=0.05)
+    for rid in ("long1", "long2"):
+        add(engine, rid, 10, 100, predicted=100)
+    for _ in range(12):
+        engine.step()
+    assert engine.shedder.step_s == pytest.approx(0.05)
+    with pytest.raises(EngineOverloaded, match=r"first token is about 4\.\d s away"):
+        add(engine, "third", 10, 10, predicted=10)  # ~88 steps of 0.05 s until long1 ends
+    while engine.scheduler.requests["long1"].num_output_tokens < 85:
+        engine.step()
+    add(engine, "third", 10, 10, predicted=10)  # long1 ends in ~15 steps: 0.75 s
+    run_all(engine)
+
+
+def test_new_requests_are_shed_when_the_prompts_ahead_take_past_the_queue_delay():
+    """Room in the KV and the batch does not compute a prompt: each step carries the running
+    answers' decodes first and prompts in what its token budget leaves. With 30 answers decoding
+    in steps of 32 tokens, two a step go to prompts: a 100-token prompt is 50 steps (2.5 s) away
+    from its first token, past the limit; a 10-token one is 5 steps away, taken."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("reserve_predicted", kv_tokens=8192, max_num_batched_tokens=32, max_queue_delay_ms=1000,
+                         step_s=0.05)
+    for i in range(30):
+        add(engine, f"long{i}", 1, 100, predicted=100)
+    for _ in range(12):
+        engine.step()
+    assert sum(1 for r in engine.scheduler.running if r.output_token_ids) == 30
+    with pytest.raises(EngineOverloaded, match=r"first token is about 2\.5 s away"):
+        add(engine, "long prompt", 100, 10, predicted=10)
+    add(engine, "short prompt", 10, 10, predicted=10)
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.requests["short prompt"].num_output_tokens == 1  # as estimated

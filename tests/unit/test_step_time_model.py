@@ -22,7 +22,11 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0).scheduler
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # 50 ms + 10 ms a token
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
-    assert sched.max_running() == int((TPOT_HEADROOM * 0.25 - 0.05) / 0.01)
+    assert sched.max_running() == 16  # the knee: 16 tokens a step give 76 tokens/s, 95% of the 80 at the objective's 20
+    assert int((TPOT_HEADROOM * 0.25 - 0.05) / 0.01) == 20
+    sched.config.knee_throughput_fraction = 1.0
+    assert sched.max_running() == 20  # steps fill up to the objective
+    sched.config.knee_throughput_fraction = 0.9
     assert 0.25 / 0.37 < sched.aging_tokens_per_s() < 0.25 / 0.06  # a quarter token per (recent mean) step
     sched.config.aging_tokens_per_step = 1.0
     assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06
@@ -77,6 +81,21 @@ def test_knee_is_the_fewest_tokens_at_most_of_the_best_throughput():
         rising.observe(tokens, step_s)
     assert rising.knee_tokens(1000, 0.9) == 16  # 8 tokens is the best so far and more than 1/0.9 of 4's
     assert rising.knee_tokens(12, 0.9) == 12
+
+
+def test_knee_reads_the_curve_up_to_the_limit_between_two_sizes_measured():
+    """The limit (the most tokens within the TPOT objective, interpolated) falls between two sizes
+    measured: the knee reads the curve there, not only the sizes below it. An overload run on 2
+    cores measured 1 token (59 ms) and 58 (250 ms): the limit was 57, and the knee, seeing only the
+    1-token size below it, said 2 (twice the largest size run) with twenty answers running."""
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    for tokens, step_s in [(1, 0.059), (58, 0.25)] * 4:
+        model.observe(tokens, step_s)
+    limit = model.max_tokens_within(0.25)
+    assert limit == 58
+    assert model.knee_tokens(57, 0.9) == 57  # 228 tokens/s at 57 against 17 at 1
 
 
 def test_online_step_budget_is_the_knee_or_the_tpot_target():

@@ -113,14 +113,20 @@ class StepTimeModel:
         """The fewest tokens a step may carry and still run at ``fraction`` of the best throughput
         (tokens per second of step) measured at up to ``limit`` tokens; None until measured.
 
-        Where that is the largest size measured (throughput still rose by more than ``1 / fraction``
-        up to it), twice that size, up to ``limit``: the steps grow until the model has seen where
-        throughput flattens, since past the sizes run it cannot tell."""
+        The curve is read up to ``limit`` itself where a larger size was measured. Where the knee is
+        the largest size measured (throughput still rose by more than ``1 / fraction`` up to it),
+        twice that size, up to ``limit``: the steps grow until the model has seen where throughput
+        flattens, since past the sizes run it cannot tell."""
         if sum(self.counts) < 4:
             return None
-        points = [(x, t) for x, t in self.curve() if x <= limit and t > 0]
+        curve = self.curve()
+        points = [(x, t) for x, t in curve if x <= limit and t > 0]
         if not points:
             return limit  # every size measured is above the limit: nothing smaller to choose by
+        above = next(((x, t) for x, t in curve if x > limit), None)
+        if above is not None and points[-1][0] < limit:  # NOTE: the limit itself, read off the curve between
+            (xa, ta), (xb, tb) = points[-1], above
+            points.append((limit, ta + (tb - ta) * (limit - xa) / (xb - xa)))
         rates = [x / t for x, t in points]
         knee = next(i for i, r in enumerate(rates) if r >= fraction * max(rates))
         tokens = max(1, int(points[knee][0]))
