@@ -145,8 +145,8 @@ class LLMEngine:
         bound = max(1, min(int(prediction.bound_tokens), sampling.max_tokens))
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), sampling.max_tokens)
         if self.shedder is not None and not resumed:
-            self.shedder.check_admission(first_token_steps(req, self.scheduler, self.policy.reservation_tokens,
-                                                           self.pool.capacity_tokens))
+            steps = first_token_steps(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens)
+            self.shedder.check_admission(steps, self.scheduler.recent_step_s)
         self.scheduler.add(req)
         if request.detokenize and self.tokenizer is not None:
             final_only = not request.stream_text and not sampling.stop and not request.resume_emitted_chars

@@ -28,8 +28,6 @@ from app.engine.request import Request
 
 WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
 MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
-STEP_EMA = 0.1  # weight of the newest step in the recent step time
-WARMUP_STEPS = 8  # a replica's first steps carry one-time kernel warm-up: not its pace
 
 
 def steps_until_admitted(need_tokens: int, free_tokens: int, running: Iterable[tuple[int, int]],
@@ -108,17 +106,12 @@ class LoadShedder:
         self._seconds = 0.0
         self._firsts = 0
         self.ready_s: float | None = None  # when the first step ended: waits before it are a cold start's
-        self.step_s: float | None = None  # recent step time (moving average), after the warm-up steps
-        self._steps_seen = 0
 
     def observe(self, backlog: bool, first_tokens: int, step_s: float, now_s: float) -> None:
         """One step (ended at ``now_s``): whether requests were waiting for their first token as it
         began, how many got it."""
         if self.ready_s is None:
             self.ready_s = now_s
-        self._steps_seen += 1
-        if step_s > 0 and self._steps_seen > WARMUP_STEPS:
-            self.step_s = step_s if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * step_s
         if not backlog or step_s <= 0:
             return
         self._steps.append((first_tokens, step_s))
@@ -154,13 +147,14 @@ class LoadShedder:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
 
-    def check_admission(self, wait_steps: int | None) -> None:
+    def check_admission(self, wait_steps: int | None, step_s: float | None) -> None:
         """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps
-        away (``first_token_steps``) and that is past the limit."""
+        away (``first_token_steps``) at the recent ``step_s`` (the scheduler's ``recent_step_s``)
+        and that is past the limit."""
         # NOTE: no pace before the warm-up steps are past; None: more than the whole pool (refused as too long)
-        if self.step_s is None or not wait_steps:
+        if step_s is None or not wait_steps:
             return
-        wait_s = wait_steps * self.step_s
+        wait_s = wait_steps * step_s
         if wait_s > self.limit_s:
             raise EngineOverloaded(f"this request's first token is about {wait_s:.1f} s away (room for it frees at the "
                                    f"running answers' predicted ends; the prompts ahead of it are computed in what "

@@ -205,12 +205,12 @@ def test_new_requests_are_shed_when_their_kv_frees_past_the_queue_delay():
         add(engine, rid, 10, 100, predicted=100)  # 110 tokens each of the 256
     for _ in range(8):
         engine.step()
-    assert engine.shedder.step_s is None  # warm-up steps say nothing of the pace: nothing shed on it
+    assert engine.scheduler.recent_step_s is None  # warm-up steps say nothing of the pace: nothing shed on it
     add(engine, "early", 10, 100, predicted=100)
     engine.abort("early")
     for _ in range(4):
         engine.step()
-    assert engine.shedder.step_s == pytest.approx(0.05)
+    assert engine.scheduler.recent_step_s == pytest.approx(0.05)
     with pytest.raises(EngineOverloaded, match=r"first token is about 4\.\d s away"):
         add(engine, "big", 10, 100, predicted=100)  # waits ~95 steps of 0.05 s for long1's end
     assert "big" not in engine.scheduler.requests
@@ -232,7 +232,7 @@ def test_new_requests_are_shed_when_a_batch_slot_frees_past_the_queue_delay():
         add(engine, rid, 10, 100, predicted=100)
     for _ in range(12):
         engine.step()
-    assert engine.shedder.step_s == pytest.approx(0.05)
+    assert engine.scheduler.recent_step_s == pytest.approx(0.05)
     with pytest.raises(EngineOverloaded, match=r"first token is about 4\.\d s away"):
         add(engine, "third", 10, 10, predicted=10)  # ~88 steps of 0.05 s until long1 ends
     while engine.scheduler.requests["long1"].num_output_tokens < 85:

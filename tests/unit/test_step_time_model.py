@@ -27,6 +27,9 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     sched.config.knee_throughput_fraction = 1.0
     assert sched.max_running() == 20  # steps fill up to the objective
     sched.config.knee_throughput_fraction = 0.9
+    assert sched.aging_tokens_per_s() == 0.0  # the first 8 steps are a replica's warm-up: no pace yet
+    for tokens in (1, 4, 8, 16, 32, 1, 4, 8):
+        sched.observe_step(tokens, 0.05 + 0.01 * tokens)
     assert 0.25 / 0.37 < sched.aging_tokens_per_s() < 0.25 / 0.06  # a quarter token per (recent mean) step
     sched.config.aging_tokens_per_step = 1.0
     assert 1 / 0.37 < sched.aging_tokens_per_s() < 1 / 0.06

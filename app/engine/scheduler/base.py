@@ -16,6 +16,9 @@ from app.engine.kv.allocation import AllocationPolicy, Grow
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.request import FINISH_REASONS, Request, RequestStatus
 
+STEP_EMA = 0.1  # weight of the newest step in the recent step time
+WARMUP_STEPS = 8  # a replica's first steps carry one-time kernel warm-up: not its pace
+
 
 @dataclass
 class SchedulerStats:
@@ -48,6 +51,8 @@ class Scheduler:
         self._admit_order: dict[str, int] = {}
         self._fruitless_admit_state: tuple | None = None
         self._waiting_version = 0  # bumped whenever the waiting queue changes
+        self.recent_step_s: float | None = None  # moving average of the step time, past the warm-up steps
+        self._steps_observed = 0
 
     # -- ordering hooks ----------------------------------------------------------------------
     def waiting_order(self) -> list[Request]:
@@ -65,7 +70,13 @@ class Scheduler:
         return self.config.max_num_seqs
 
     def observe_step(self, num_tokens: int, step_s: float) -> None:
-        """Feedback after each step (the online scheduler learns its step-time model here)."""
+        """Feedback after each step: the recent step time, which the online scheduler's aging and
+        the load shedder read, past a replica's first ``WARMUP_STEPS`` (the online scheduler also
+        learns its step-time model here)."""
+        self._steps_observed += 1
+        if step_s > 0 and self._steps_observed > WARMUP_STEPS:
+            recent = self.recent_step_s
+            self.recent_step_s = step_s if recent is None else (1 - STEP_EMA) * recent + STEP_EMA * step_s
 
     # -- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -34,7 +34,6 @@ MIN_STEP_TOKENS = 16  # never starve prefill entirely, whatever the step-time mo
 # NOTE: aiming below the objective (85% of it was tried) held TPOT but cut throughput under
 # overload on the 2-core machine (21 vs 25 tok/s), and the longer queue cost more than it saved.
 TPOT_HEADROOM = 1.0
-STEP_EWMA = 0.1  # weight of the newest step in the mean step time that sets the aging rate
 
 
 # Step sizes (tokens) are binned at these lower edges; each bin keeps its own running means.
@@ -141,12 +140,11 @@ class OnlineScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.step_model = StepTimeModel()
-        self.mean_step_s: float | None = None
 
     def aging_tokens_per_s(self) -> float:
         if self.config.aging_tokens_per_s is not None:
             return self.config.aging_tokens_per_s
-        return self.config.aging_tokens_per_step / self.mean_step_s if self.mean_step_s else 0.0
+        return self.config.aging_tokens_per_step / self.recent_step_s if self.recent_step_s else 0.0
 
     def _score(self, req: Request, now: float, aging: float) -> float:
         return req.rank_remaining_tokens - aging * (now - req.arrival_s)
@@ -188,5 +186,5 @@ class OnlineScheduler(Scheduler):
         return self.clock() - req.arrival_s > 0.5 * self.config.ttft_slo_ms / 1000.0
 
     def observe_step(self, num_tokens: int, step_s: float) -> None:
+        super().observe_step(num_tokens, step_s)
         self.step_model.observe(num_tokens, step_s)
-        self.mean_step_s = step_s if self.mean_step_s is None else (1 - STEP_EWMA) * self.mean_step_s + STEP_EWMA * step_s
