@@ -84,22 +84,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
         """Build the real runner (tensor-parallel when configured) and size the pool for it."""
-        from app.engine.model.hf_runner import HFRunner
-        from app.engine.model.setup import on_short_lived_thread
-        from app.engine.model.llama import model_config
+        from app.engine.model.build import build_runner
 
-        hf_config = model_config(config.model_path)
-        num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf_config, config.cache_dtype))
-        if config.tensor_parallel_size > 1 and config.use_ray_tp_workers():
-            from app.engine.parallel.ray_ranks import RayTPRunner
-
-            runner: Runner = RayTPRunner(config, num_blocks)
-        elif config.tensor_parallel_size > 1:
-            from app.engine.parallel.tp import TPRunner
-
-            runner = TPRunner(config, num_blocks)  # its ranks are processes of their own
-        else:
-            runner = on_short_lived_thread(lambda: HFRunner(config, num_blocks))  # see its docstring
+        runner, num_blocks = build_runner(config)
         return cls(config, runner, num_blocks, tokenizer=runner.tokenizer, predictor=predictor, feedback=feedback)
 
     # -- intake ----------------------------------------------------------------------------
