@@ -23,8 +23,12 @@ import collections
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from app.engine.request import Request
+
+if TYPE_CHECKING:
+    from app.engine.scheduler.base import Scheduler
 
 WINDOW_S = 30.0  # the backlog steps the rate is read from (step time, newest last)
 MIN_WINDOW_S = 1.0  # less backlog than this seen: no rate yet
@@ -78,7 +82,7 @@ def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Re
     return math.ceil((ahead + new.num_tokens) / max(1, budget - decodes))
 
 
-def first_token_steps(new: Request, scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
+def first_token_steps(new: Request, scheduler: Scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
     """Decode steps before ``new``'s first token, at the least: room for it to start
     (``admission_wait_steps``) and its prompt computed (``prefill_steps``), whichever comes later.
     None: it needs more than the whole pool."""
