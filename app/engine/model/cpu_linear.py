@@ -173,3 +173,29 @@ def fuse_rows(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
             m.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
         start += rows
     return fused
+
+
+def pack_layers(layers: list[torch.nn.Module], lm_head: torch.nn.Module, plain_mlp: bool,
+                bf16_op: Callable | None = None) -> tuple[dict[torch.nn.Module, FastLinear],
+                                                          list[torch.nn.Linear | None], list[torch.nn.Linear | None]]:
+    """A Llama model's linears made fast: per layer q, k, v fused into one linear, and gate, up when
+    the MLP is the plain gated one (``fuse_rows``; None where they cannot be); then ``fast_linear``
+    of every linear a step calls. Returns (the fast functions by module, fused q-k-v per layer, fused
+    gate-up per layer); a module missing from the first runs ``linear``'s plain path."""
+    modules: list[torch.nn.Module] = []
+    fused_qkv: list[torch.nn.Linear | None] = []
+    fused_gate_up: list[torch.nn.Linear | None] = []
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = fuse_rows([a.q_proj, a.k_proj, a.v_proj])
+        modules += [qkv] if qkv else [a.q_proj, a.k_proj, a.v_proj]
+        modules.append(a.o_proj)
+        gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj]) if plain_mlp else None
+        if plain_mlp:
+            modules += [gate_up] if gate_up else [mlp.gate_proj, mlp.up_proj]
+            modules.append(mlp.down_proj)
+        fused_qkv.append(qkv)
+        fused_gate_up.append(gate_up)
+    modules.append(lm_head)
+    fast = {m: f for m in modules if (f := fast_linear(m, bf16_op)) is not None}
+    return fast, fused_qkv, fused_gate_up

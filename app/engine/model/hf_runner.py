@@ -15,18 +15,18 @@ shards (see ``app/engine/parallel/tp.py``), whose row-parallel layers all-reduce
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from app.config import EngineConfig
-from app.engine.model.cpu_linear import fast_linear, fuse_rows, linear, native_bf16
+from app.engine.model.cpu_linear import FastLinear, linear, native_bf16, pack_layers
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
 from app.engine.model.setup import resolve_device, torch_dtype
 from app.engine.model.step_inputs import Step, build_step
+
 
 def _is_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
     """Llama's ``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections."""
@@ -95,29 +95,19 @@ class HFRunner(Runner):
             w = getattr(norm, "weight", None)
             if "RMSNorm" in type(norm).__name__ and eps is not None and w is not None and w.dtype == torch.float32:
                 self._rms_params[norm] = (w, eps)
-        # NOTE: a dict by module of ``fast_linear``'s functions; a module missing from it runs the plain path
-        self.packed: dict[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {}
-        # per layer: q, k, v fused into one linear, and gate, up (``fuse_rows``); None where unfused
+        # ``fast_linear``'s functions by module (a module missing runs the plain path), and per layer
+        # q, k, v and gate, up fused into one linear each (None where unfused)
+        self.packed: dict[torch.nn.Module, FastLinear] = {}
         self.fused_qkv: list[torch.nn.Linear | None] = [None] * len(self.layers)
         self.fused_gate_up: list[torch.nn.Linear | None] = [None] * len(self.layers)
         if config.cpu_prepacked_linears:
-            modules = []
-            for i, layer in enumerate(self.layers):
-                a, mlp = layer.self_attn, layer.mlp
-                self.fused_qkv[i] = fuse_rows([a.q_proj, a.k_proj, a.v_proj])
-                modules += [self.fused_qkv[i]] if self.fused_qkv[i] else [a.q_proj, a.k_proj, a.v_proj]
-                modules.append(a.o_proj)
-                if self.plain_mlp:
-                    self.fused_gate_up[i] = fuse_rows([mlp.gate_proj, mlp.up_proj])
-                    modules += [self.fused_gate_up[i]] if self.fused_gate_up[i] else [mlp.gate_proj, mlp.up_proj]
-                    modules.append(mlp.down_proj)
-            modules.append(self.lm_head)
             bf16_op = None
             if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not native_bf16():
                 from app.engine.model.cpu_kernels import bf16_linear_op
 
                 bf16_op = bf16_linear_op()
-            self.packed = {m: f for m in modules if (f := fast_linear(m, bf16_op)) is not None}
+            self.packed, self.fused_qkv, self.fused_gate_up = pack_layers(
+                self.layers, self.lm_head, self.plain_mlp, bf16_op)
         attn = self.layers[0].self_attn
         hf = self.model.config
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
