@@ -199,6 +199,32 @@ def test_runner_prepacks_every_linear_unless_told_not_to(runner):
     assert plain.packed == {} and plain.fused_qkv == [None] * 30
 
 
+@pytest.mark.model
+def test_a_built_runner_meets_no_new_linear_shape_in_its_steps(runner, capfd):
+    """oneDNN builds a kernel (a primitive, about 1 MB) for each row count a prepacked linear meets,
+    and keeps it: met while serving, the engine's memory grew with every new step size
+    (docs/chaos.md). A built runner has them all: every row count a step can bring (its token
+    budget; the LM head, its sampled rows) finds its primitive in oneDNN's cache."""
+    import ctypes
+
+    from app.engine.model.cpu_linear import onednn_rows
+
+    body_rows = sorted({onednn_rows(n) for n in range(1, runner.config.max_num_batched_tokens + 1)})
+    head_rows = [n for n in body_rows if n <= runner.config.max_num_seqs]
+    shapes = {}  # one module per weight shape: those of a shape share their primitives
+    for m, f in runner.packed.items():
+        shapes.setdefault((tuple(m.weight.shape), m is runner.lm_head), (m, f))
+    capfd.readouterr()
+    with torch.inference_mode(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        for (_, head), (m, f) in shapes.items():
+            for n in head_rows if head else body_rows:
+                f(torch.zeros(n, m.weight.shape[1]))
+    ctypes.CDLL(None).fflush(None)  # oneDNN prints through C's buffered stdout
+    created = [line for line in capfd.readouterr().out.splitlines() if ",create:" in line]
+    assert len(shapes) == 5 and len(created) >= len(body_rows) * 4 + len(head_rows)
+    assert [line for line in created if "cache_miss" in line] == []
+
+
 @pytest.fixture(scope="module")
 def bf16_runner():
     from app.engine.model.hf_runner import HFRunner

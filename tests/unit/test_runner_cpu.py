@@ -135,10 +135,11 @@ def test_fuse_rows_stacks_outputs_and_leaves_views():
 def test_onednn_linears_run_at_a_few_row_counts_and_give_each_row_its_own_answer():
     """Rows are padded to one of a few counts (oneDNN keeps buffers per shape: exact counts made an
     engine's memory grow with every new count); the padded rows never reach the caller."""
-    from app.engine.model.cpu_linear import onednn_linear, onednn_rows, prepack
+    from app.engine.model.cpu_linear import onednn_linear, onednn_row_counts, onednn_rows, prepack
 
     assert [onednn_rows(n) for n in (1, 16, 17, 18, 19, 31, 33, 100, 256, 300)] == [1, 16, 18, 18, 20, 32, 36, 104, 256, 320]
-    assert len({onednn_rows(n) for n in range(1, 513)}) == 16 + 8 * 5  # 16 exact, then 8 per doubling
+    assert len(onednn_row_counts(512)) == 16 + 8 * 5  # 16 exact, then 8 per doubling
+    assert onednn_row_counts(20) == [*range(1, 17), 18, 20]
     assert all(n <= onednn_rows(n) < n * 9 / 8 for n in range(1, 513))
     torch.manual_seed(0)
     module = torch.nn.Linear(64, 48)

@@ -37,6 +37,11 @@ def onednn_rows(n: int) -> int:
     return -(-n // step) * step
 
 
+def onednn_row_counts(limit: int) -> list[int]:
+    """Every row count ``onednn_rows`` runs 1 to ``limit`` rows at (56 for 512)."""
+    return sorted({onednn_rows(n) for n in range(1, limit + 1)})
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's linear on a prepacked weight, ``x``'s rows padded to ``onednn_rows`` (and cut back)."""
     n = x.shape[0]
@@ -199,3 +204,24 @@ def pack_layers(layers: list[torch.nn.Module], lm_head: torch.nn.Module, plain_m
     modules.append(lm_head)
     fast = {m: f for m in modules if (f := fast_linear(m, bf16_op)) is not None}
     return fast, fused_qkv, fused_gate_up
+
+
+def warm_up(fast: dict[torch.nn.Module, FastLinear], max_rows: Callable[[torch.nn.Module], int]) -> None:
+    """Runs each weight shape among ``fast``'s linears once at every row count it can meet
+    (``onednn_row_counts(max_rows(module))``), so that oneDNN builds all its primitives now.
+
+    NOTE: oneDNN builds a primitive (about 1 MB of descriptors and JIT code) for each row count a
+    prepacked linear meets, and keeps it in its cache. Met while serving, an engine's memory grew
+    with every new step size for as long as it ran (one process, SmolLM2-135M in bfloat16, budget
+    256: 24 new primitives and 14 of its 26 MB of growth over requests 150 to 600, heaptrack); built
+    here, they cost ~250 MB and 0.8 s once, and the memory stays flat (docs/chaos.md)."""
+    seen: set[tuple] = set()
+    with torch.inference_mode():
+        for module, f in fast.items():
+            w = module.weight
+            key = (tuple(w.shape), w.dtype, module.bias is None, max_rows(module))
+            if key in seen:
+                continue
+            seen.add(key)
+            for rows in onednn_row_counts(key[-1]):
+                f(torch.zeros(rows, w.shape[1]))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from app.config import EngineConfig
-from app.engine.model.cpu_linear import FastLinear, linear, native_bf16, pack_layers
+from app.engine.model.cpu_linear import FastLinear, linear, native_bf16, pack_layers, warm_up
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
@@ -108,6 +108,8 @@ class HFRunner(Runner):
                 bf16_op = bf16_linear_op()
             self.packed, self.fused_qkv, self.fused_gate_up = pack_layers(
                 self.layers, self.lm_head, self.plain_mlp, bf16_op)
+            steps, sampled = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
+            warm_up(self.packed, lambda m: sampled if m is self.lm_head else steps)
         attn = self.layers[0].self_attn
         hf = self.model.config
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
