@@ -207,10 +207,11 @@ def test_a_built_runner_meets_no_new_linear_shape_in_its_steps(runner, capfd):
     budget; the LM head, its sampled rows) finds its primitive in oneDNN's cache."""
     import ctypes
 
-    from app.engine.model.cpu_linear import onednn_rows
+    from app.engine.model.cpu_linear import onednn_row_counts
 
-    body_rows = sorted({onednn_rows(n) for n in range(1, runner.config.max_num_batched_tokens + 1)})
-    head_rows = [n for n in body_rows if n <= runner.config.max_num_seqs]
+    budget = runner.config.max_num_batched_tokens
+    body_rows = onednn_row_counts(budget)
+    head_rows = onednn_row_counts(min(budget, runner.config.max_num_seqs))
     shapes = {}  # one module per weight shape: those of a shape share their primitives
     for m, f in runner.packed.items():
         shapes.setdefault((tuple(m.weight.shape), m is runner.lm_head), (m, f))

@@ -214,7 +214,7 @@ def warm_up(fast: dict[torch.nn.Module, FastLinear], max_rows: Callable[[torch.n
     prepacked linear meets, and keeps it in its cache. Met while serving, an engine's memory grew
     with every new step size for as long as it ran (one process, SmolLM2-135M in bfloat16, budget
     256: 24 new primitives and 14 of its 26 MB of growth over requests 150 to 600, heaptrack); built
-    here, they cost ~250 MB and 0.8 s once, and the memory stays flat (docs/chaos.md)."""
+    here, they cost ~240 MB and 0.8 s once (online pool), and the memory stays flat (docs/chaos.md)."""
     seen: set[tuple] = set()
     with torch.inference_mode():
         for module, f in fast.items():
