@@ -42,7 +42,11 @@ def blocked_modules() -> set[str]:
     return {n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()}
 
 
+_PLUGINS: list = []  # the session's plugin manager, for pytest_runtest_logreport
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _PLUGINS[:] = [config.pluginmanager]
     blocked = blocked_modules()
     if not blocked:
         return
@@ -55,6 +59,17 @@ def pytest_configure(config: pytest.Config) -> None:
     loaded = sorted(n for n in blocked if n in sys.modules)
     if loaded:
         raise pytest.UsageError(f"{', '.join(loaded)} imported before the blocker: disable the plugin that imports it")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failed test that drives Ray is printed as it fails: Ray can end a driver's process (exit 1,
+    nothing printed) before pytest's summary, which would take the failure with it."""
+    if not report.failed or "ray" not in report.keywords:
+        return
+    terminal = _PLUGINS[0].get_plugin("terminalreporter") if _PLUGINS else None
+    if terminal is not None:
+        terminal.write_sep("-", f"{report.nodeid} failed in its {report.when} (the summary repeats it)", red=True)
+        terminal.write_line(report.longreprtext)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
