@@ -118,8 +118,9 @@ class EngineServer:
         emitted = self._emit_log(req.request_id)
         try:
             async for out in stream:
-                if out.error is not None:  # this request alone failed in the engine (NaN logits)
-                    yield {"request_id": out.request_id, "error": {"status_code": 500, "message": out.error}}
+                if out.error is not None:  # this request alone failed (NaN logits: 500) or was refused unstarted (429)
+                    yield {"request_id": out.request_id, "error": {"status_code": 429 if out.retryable else 500,
+                                                                   "message": out.error}}
                     return
                 emitted.append(time.time())
                 if len(emitted) == 2 and not req.resume_output_token_ids:  # the first token: TTFT counts now

@@ -193,11 +193,12 @@ class LLMEngine:
         backlog = False
         if self.shedder is not None:  # NOTE: no scan per step when shedding is off
             backlog = next(awaiting_first_token(self.scheduler.requests.values()), None) is not None
+        refused = [] if self.shedder is None else [self._refuse(r) for r in self.shedder.late(self.scheduler.waiting, self.clock())]
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler admitted nothing with an empty pool: a request cannot fit")
-            return []
+            return refused
         if self._faults is not None:
             self._faults.before_forward()
         result = self.runner.execute(sched_out)
@@ -212,7 +213,7 @@ class LLMEngine:
         self.output_tokens += len(touched)
         outputs = [self._output(req) for req in touched]
         failed = [rid for rid, token in result.sampled_token_ids.items() if token is None]
-        return outputs + [out for rid in failed if (out := self._fail(rid)) is not None]
+        return refused + outputs + [out for rid in failed if (out := self._fail(rid)) is not None]
 
     def _fail(self, request_id: str) -> RequestOutput | None:
         """End a request whose row the runner could not sample (NaN or infinite logits): it alone
@@ -221,12 +222,20 @@ class LLMEngine:
         if req is None:
             return None  # aborted while the step ran
         logger.error("request %s failed: its logits could not be sampled (NaN or infinite); the others go on", request_id)
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self._detok.pop(request_id, None)
-        return RequestOutput(request_id=request_id, new_token_ids=[], text_delta="", finished=True,
+        return self._end_with_error(req, RequestStatus.FINISHED_ERROR,
+                                    "the model produced invalid values (NaN or infinite logits) for this request")
+
+    def _refuse(self, req: Request) -> RequestOutput:
+        """Refuse an admitted request that waited past ``max_queue_delay_ms`` without starting (429)."""
+        return self._end_with_error(req, RequestStatus.FINISHED_ABORTED, retryable=True, error=(
+            f"it waited past this pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g}) without starting"))
+
+    def _end_with_error(self, req: Request, status: RequestStatus, error: str, retryable: bool = False) -> RequestOutput:
+        self.scheduler.finish(req, status)
+        self._detok.pop(req.request_id, None)
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], text_delta="", finished=True,
                              finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens,
-                             error="the model produced invalid values (NaN or infinite logits) for this request")
+                             num_output_tokens=req.num_output_tokens, error=error, retryable=retryable)
 
     def _end_status(self, req: Request, hit_stop: bool) -> RequestStatus | None:
         """The one place a request's end is decided, after each new token: a stop string or EOS

@@ -51,3 +51,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # the request failed (finish_reason "error"): why
+    retryable: bool = False  # refused, not failed: it waited past max_queue_delay_ms unstarted (429)

@@ -15,6 +15,11 @@ where the next does not:
   frees, at theirs), or the prompts ahead of it and its own take too long to compute in what each
   step's token budget leaves after the running answers' decodes. The rate lags when long answers
   fill the KV or the batch, or the decodes fill the steps: it still reads the pace from before.
+
+All three estimate at admission, and steps that slow down after it (more answers in the batch,
+other processes on the cores) make them late. So an admitted request that has not started (no
+KV, nothing computed) when its wait passes the limit is refused then (``late``), as Triton's queue
+policy rejects on timeout: every answer's first token comes within the limit and its prefill.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from app.engine.request import Request
+from app.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from app.engine.scheduler.base import Scheduler
@@ -150,6 +155,14 @@ class LoadShedder:
         if rate and len(pending) / rate > self.limit_s:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
+
+    def late(self, waiting: Iterable[Request], now_s: float) -> list[Request]:
+        """The waiting requests never started (not preempted, not resumed: no KV was spent on them)
+        that have waited past the limit, counted from the first step's end as in ``check``."""
+        if self.ready_s is None:
+            return []
+        return [r for r in waiting if r.status is RequestStatus.WAITING and not r.output_token_ids
+                and r.num_computed_tokens == 0 and now_s - max(r.arrival_s, self.ready_s) > self.limit_s]
 
     def check_admission(self, wait_steps: int | None, step_s: float | None) -> None:
         """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps

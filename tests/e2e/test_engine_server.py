@@ -66,3 +66,46 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
     records = {r.request_id: r for r in read_feedback(feedback / "feedback")}
     assert records["r1"].output_tokens == items[-1]["completion_tokens"] and records["r1"].predictor_version == "7"
     assert records["r3"].finish_reason == "abort"
+
+
+def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_its_wait_passes_the_limit(tmp_path: Path):
+    """Predicted to end after one token, the answers run 100: the admission tests let every request
+    of a burst in, one runs at a time (``max_num_seqs`` 1), and each of the others, unstarted when
+    its wait passes ``max_queue_delay_ms``, ends with a 429 item (the ingress's 429 with
+    Retry-After); none is answered late, none fails otherwise."""
+    import ray
+    from ray import serve
+
+    from deployments.engine_server import EngineServerDeployment
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())
+    env = {"FORESERVE_HOME": str(home), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 500}
+        app = EngineServerDeployment.options(name="online").bind("online", overrides)
+        handle = serve.run(app, name="late-test", route_prefix=None).options(stream=True)
+
+        def request(rid: str, max_tokens: int) -> dict:
+            return {"request_id": rid, "messages": [{"role": "user", "content": "Count to a hundred."}],
+                    "sampling": {"max_tokens": max_tokens, "ignore_eos": True}, "prediction": {"bucket": 0, "bound_tokens": 1}}
+
+        async def collect(req) -> list[dict]:
+            return [item async for item in handle.generate.remote(req)]
+
+        async def burst() -> list[list[dict]]:
+            return await asyncio.gather(*(collect(request(f"b{i}", 100)) for i in range(5)))
+
+        assert asyncio.run(collect(request("warm", 20)))[-1]["completion_tokens"] == 20  # the replica has stepped
+        answers = asyncio.run(burst())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    refused = [a for a in answers if "error" in a[-1]]
+    assert all(a[-1]["completion_tokens"] == 100 and a[-1]["finished"] for a in answers if a not in refused)
+    assert 1 <= len(answers) - len(refused) < 5 and refused, [a[-1] for a in answers]
+    for (item,) in refused:  # one item, no token before it
+        assert item["error"]["status_code"] == 429, item
+    assert any("without starting" in item["error"]["message"] for (item,) in refused), refused

@@ -261,3 +261,37 @@ def test_new_requests_are_shed_when_the_prompts_ahead_take_past_the_queue_delay(
     for _ in range(5):
         engine.step()
     assert engine.scheduler.requests["short prompt"].num_output_tokens == 1  # as estimated
+
+
+def test_a_request_still_unstarted_when_its_wait_passes_the_queue_delay_is_refused_then():
+    """The admission tests estimate; steps that slow down after admission make the estimate late.
+    So a request admitted but not started (no KV, nothing computed) when it has waited past
+    ``max_queue_delay_ms`` is refused then (``retryable``: the ingress's 429 with Retry-After), as
+    Triton's queue policy rejects on timeout: every answer's first token comes within the limit
+    and its own prefill. A request already started, and an answer resumed from a lost replica,
+    are never refused."""
+    limit_s, step_s = 1.0, 0.05
+    engine = make_engine("reserve_max", kv_tokens=32, block=16, max_queue_delay_ms=limit_s * 1000, step_s=step_s)
+    for i in range(12):  # taken before the first step (no pace known): two fit in the KV at a time
+        add(engine, f"b{i}", 10, 5)
+    engine.add_request(EngineRequest(request_id="resumed", prompt_token_ids=[5] * 10, resume_output_token_ids=[7],
+                                     sampling=SamplingParams(max_tokens=5, ignore_eos=True),
+                                     prediction=Prediction(bucket=0, bound_tokens=5)))
+    firsts: dict[str, float] = {}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.new_token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = engine.clock()
+    ready = engine.shedder.ready_s
+    refused = sorted(rid for rid, outs in outputs.items() if outs[-1].error is not None)
+    assert refused and len(refused) < 12
+    for rid in refused:  # refused whole, with no token, as the ingress's 429
+        (out,) = outputs[rid]
+        assert out.finished and out.retryable and out.new_token_ids == [] and "max_queue_delay_ms" in out.error
+    for rid in set(outputs) - set(refused):  # answered whole, its first token within the limit and a prefill
+        assert outputs[rid][-1].num_output_tokens == 5 and outputs[rid][-1].error is None
+        assert rid == "resumed" or firsts[rid] - ready <= limit_s + step_s + 1e-9, (rid, firsts[rid] - ready)
+    assert "resumed" not in refused
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
