@@ -79,11 +79,13 @@ def admission_wait_steps(new: Request, waiting: Iterable[Request], running: Iter
 
 def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Request], budget: int) -> int:
     """Steps until ``new``'s prompt is computed behind every prompt not yet through (waiting, or
-    part-way in the running batch): each step carries the running answers' decodes first and prompt
-    chunks in what is left of its token ``budget`` (at least one token)."""
+    part-way in the running batch; an answer resumed or preempted is one again until its tokens so
+    far are computed): each step carries the running answers' decodes first (one token each) and
+    prompt chunks in what is left of its token ``budget`` (at least one token)."""
     running = list(running)
-    decodes = sum(1 for r in running if r.output_token_ids)
-    ahead = sum(r.num_tokens - r.num_computed_tokens for r in awaiting_first_token([*running, *waiting]))
+    decodes = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
+    ahead = sum(left for r in running if (left := r.num_tokens - r.num_computed_tokens) > 1)
+    ahead += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
     return math.ceil((ahead + new.num_tokens) / max(1, budget - decodes))
 
 

@@ -295,3 +295,23 @@ def test_a_request_still_unstarted_when_its_wait_passes_the_queue_delay_is_refus
         assert rid == "resumed" or firsts[rid] - ready <= limit_s + step_s + 1e-9, (rid, firsts[rid] - ready)
     assert "resumed" not in refused
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_a_resumed_answer_recomputing_its_tokens_counts_as_a_prompt_ahead_not_a_decode():
+    """An answer resumed from a lost replica (or preempted) has output tokens but no KV: until its
+    prompt and tokens so far are computed again it takes prompt room from each step, not one decode
+    token, and a new prompt waits behind it."""
+    from app.engine.request import Request
+    from app.engine.shedding import prefill_steps
+
+    def request(rid: str, prompt: int, output: int, computed: int) -> Request:
+        return Request(request_id=rid, prompt_token_ids=[5] * prompt, output_token_ids=[7] * output,
+                       sampling=SamplingParams(max_tokens=100), arrival_s=0.0, prediction=Prediction(bucket=0, bound_tokens=100),
+                       num_computed_tokens=computed)
+
+    decoding = request("decoding", 10, 5, 14)
+    resumed = request("resumed", 10, 40, 0)  # 50 tokens to compute again
+    new = request("new", 20, 0, 0)
+    assert prefill_steps(new, [decoding], [], budget=32) == 1  # 20 tokens in the 31 one decode leaves
+    assert prefill_steps(new, [decoding, resumed], [], budget=32) == 3  # 50 + 20 tokens, 31 a step
+    assert prefill_steps(new, [decoding], [resumed], budget=32) == 3  # waiting to be recomputed: ahead too
