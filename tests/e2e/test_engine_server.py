@@ -4,6 +4,8 @@ record, routing stats, a rejected request's error and a client that walks away."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,19 +15,32 @@ from app import paths
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
-def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path):
+@contextlib.contextmanager
+def _serving_from(home: Path) -> Iterator[None]:
+    """A local Ray whose workers have ``home`` (the prepared model linked in, read-only) as their
+    data dir; Serve and Ray shut down after."""
     import ray
+    from ray import serve
+
+    (home / "models").mkdir(parents=True)
+    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())
+    env = {"FORESERVE_HOME": str(home), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path):
     from ray import serve
 
     from deployments.engine_server import EngineServerDeployment
     from predictor.feedback import read_feedback
 
     feedback = tmp_path / "home"
-    (feedback / "models").mkdir(parents=True)
-    (feedback / "models" / paths.model_dir().name).symlink_to(paths.model_dir())  # the prepared model, read-only
-    env = {"FORESERVE_HOME": str(feedback), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    try:
+    with _serving_from(feedback):
         app = EngineServerDeployment.options(name="online").bind("online", {"kv_cache_tokens": 2048, "torch_threads": 1})
         handle = serve.run(app, name="engine-test", route_prefix=None).options(stream=True)
         request = {"request_id": "r1", "messages": [{"role": "user", "content": "Say hello."}],
@@ -60,9 +75,6 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
         assert stats["recent_ttft_ms_p90"] > 0 and stats["recent_tpot_ms_p90"] > 0  # from r1's finished run
         scaling = serve.get_deployment_handle("online", "engine-test").record_autoscaling_stats.remote().result()
         assert all(isinstance(v, float) for v in scaling.values()) and scaling["kv_capacity_tokens"] == 2048.0
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     records = {r.request_id: r for r in read_feedback(feedback / "feedback")}
     assert records["r1"].output_tokens == items[-1]["completion_tokens"] and records["r1"].predictor_version == "7"
     assert records["r3"].finish_reason == "abort"
@@ -73,17 +85,11 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
     of a burst in, one runs at a time (``max_num_seqs`` 1), and each of the others, unstarted when
     its wait passes ``max_queue_delay_ms``, ends with a 429 item (the ingress's 429 with
     Retry-After); none is answered late, none fails otherwise."""
-    import ray
     from ray import serve
 
     from deployments.engine_server import EngineServerDeployment
 
-    home = tmp_path / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / paths.model_dir().name).symlink_to(paths.model_dir())
-    env = {"FORESERVE_HOME": str(home), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    try:
+    with _serving_from(tmp_path / "home"):
         overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 500}
         app = EngineServerDeployment.options(name="online").bind("online", overrides)
         handle = serve.run(app, name="late-test", route_prefix=None).options(stream=True)
@@ -100,9 +106,6 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
 
         assert asyncio.run(collect(request("warm", 20)))[-1]["completion_tokens"] == 20  # the replica has stepped
         answers = asyncio.run(burst())
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     refused = [a for a in answers if "error" in a[-1]]
     assert all(a[-1]["completion_tokens"] == 100 and a[-1]["finished"] for a in answers if a not in refused)
     assert 1 <= len(answers) - len(refused) < 5 and refused, [a[-1] for a in answers]
