@@ -34,12 +34,15 @@ run: serve
 
 # The tiers (tests/conftest.py): unit needs an install only; model the prepared model and traces;
 # e2e Ray, Serve, MLflow and Locust; multinode a Ray cluster of several nodes on this machine (and a
-# PostgreSQL it starts, installing Debian's package if missing). `make test` runs all four.
+# PostgreSQL it starts, installing Debian's package if missing). `make test` prepares once, then runs
+# all four: unit and model side by side (neither starts Ray or a server, and each is one pytest
+# process that leaves a core idle much of the time; --output-sync prints each tier's output whole
+# when it ends), then e2e and multinode alone, as their Ray clusters need the machine.
+TIER_PREPARE := $(if $(PREPARED),install,prepare)
 test: prepare
-	$(MAKE) --no-print-directory test-unit
-	$(MAKE) --no-print-directory test-model
-	$(MAKE) --no-print-directory test-e2e
-	$(MAKE) --no-print-directory test-multinode
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-model PREPARED=1
+	$(MAKE) --no-print-directory test-e2e PREPARED=1
+	$(MAKE) --no-print-directory test-multinode PREPARED=1
 
 # Proves the unit tier needs no model, data, Ray, MLflow or Locust: an empty data dir, and those
 # packages (with the data packages the model and traces are prepared from) hidden in pytest and its
@@ -55,10 +58,10 @@ test-unit: install
 
 test-fast: test-unit
 
-test-model: prepare
+test-model: $(TIER_PREPARE)
 	$(PY) -m pytest -q tests/model
 
-test-e2e: prepare
+test-e2e: $(TIER_PREPARE)
 	$(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
 	$(PY) -m pytest -q --durations=15 tests/e2e -m "slow" || [ $$? -eq 5 ]
 
@@ -68,7 +71,7 @@ test-e2e: prepare
 # test_preflight_nodes.py's teardown, from a thread born while test_batch_nodes.py's job (driven
 # from the pytest process) ran. -v names each test as it starts, a failure is printed at once
 # (tests/conftest.py), and a failed module is followed by the error lines of its Ray drivers' logs.
-test-multinode: prepare
+test-multinode: $(TIER_PREPARE)
 	@failed=; for module in tests/multinode/test_*.py; do \
 		stamp=$$(mktemp); echo "pytest -v $$module"; \
 		$(PY) -m pytest -v --durations=5 $$module || { failed="$$failed $$module"; \
