@@ -37,9 +37,10 @@ class Resumes(Protocol):
 
 def engine_error(error: dict, retry_after_s: int = 2, pool: str = "online") -> errors.APIError:
     """The engine's refusal (400: the prompt and max_tokens do not fit its KV; 429: it sheds load,
-    its queue past ``max_queue_delay_ms``) or failure (500)."""
+    its queue past ``max_queue_delay_ms``, at admission or when the request waited that long
+    unstarted: the engine's reason says which) or failure (500)."""
     if error.get("status_code") == 429:
-        return errors.overloaded(retry_after_s, pool, "is too busy to answer in time (its queue is past its delay limit)")
+        return errors.overloaded(retry_after_s, pool, f"is too busy to answer in time: {error['message']}")
     if error.get("status_code", 400) == 400:
         return errors.bad_request(error["message"], param="max_tokens", code="context_length_exceeded")
     return errors.server_error(f"The model failed on this request: {error['message']}. Other requests are unaffected.")

@@ -226,7 +226,9 @@ class LLMEngine:
                                     "the model produced invalid values (NaN or infinite logits) for this request")
 
     def _refuse(self, req: Request) -> RequestOutput:
-        """Refuse an admitted request that waited past ``max_queue_delay_ms`` without starting (429)."""
+        """Refuse an admitted request that waited past ``max_queue_delay_ms`` without starting (429).
+        The client's 429 carries this reason; ``foreserve chaos`` tells these refusals from those at
+        admission by its "without starting" (``loadtests/chaos/score.py``)."""
         return self._end_with_error(req, RequestStatus.FINISHED_ABORTED, retryable=True, error=(
             f"it waited past this pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g}) without starting"))
 

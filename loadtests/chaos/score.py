@@ -56,16 +56,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
+LATE_REFUSAL = "without starting"  # in the 429 of a request refused when its wait passed the limit
+
+
 def overload(records: list[dict]) -> dict:
-    """Under overload: how many were refused with 429 (and with Retry-After), how fast a refusal came
-    back (p99 ms), and the admitted online requests' TTFT (p50, p99; p99 of the first and the second
-    half of the arrivals: bounded TTFT does not grow with the backlog)."""
+    """Under overload: how many were refused with 429 (and with Retry-After); of those, how many at
+    admission and how fast (p99 ms), and how many once their wait had passed ``max_queue_delay_ms``
+    unstarted (their p99 is that limit and a step); and the admitted online requests' TTFT (p50,
+    p99; p99 of the first and the second half of the arrivals: bounded TTFT does not grow with the
+    backlog)."""
     refused = [r for r in records if r.get("status") == 429]
+    late = [r for r in refused if LATE_REFUSAL in (r.get("error") or "")]
+    door = [r for r in refused if LATE_REFUSAL not in (r.get("error") or "")]
     online = sorted((r for r in records if r.get("tier") == "online" and r.get("ttft_ms") is not None),
                     key=lambda r: r["start"])
     ttfts = [r["ttft_ms"] for r in online]
     half = len(ttfts) // 2
     return {"refused_429": len(refused), "refused_with_retry_after": sum(bool(r.get("retry_after")) for r in refused),
-            "refusal_p99_ms": _pct([r["e2e_ms"] for r in refused], 0.99),
+            "refused_at_admission": len(door), "refusal_p99_ms": _pct([r["e2e_ms"] for r in door], 0.99),
+            "refused_after_waiting": len(late), "late_refusal_p99_ms": _pct([r["e2e_ms"] for r in late], 0.99),
             "admitted_online_ttft_p50_ms": _pct(ttfts, 0.5), "admitted_online_ttft_p99_ms": _pct(ttfts, 0.99),
             "ttft_p99_first_half_ms": _pct(ttfts[:half], 0.99), "ttft_p99_second_half_ms": _pct(ttfts[half:], 0.99)}

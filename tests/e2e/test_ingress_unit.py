@@ -323,9 +323,15 @@ def test_an_engine_shedding_load_is_a_429_with_retry_after():
     from app.api import errors
     from deployments.engine_server import GenerateRequest
 
-    shed = _Stream([{"request_id": "r", "error": {"status_code": 429, "message": "the oldest waiting request ..."}}])
-    calls = _calls({"online": _Pool([shed])}, None, {"retry_after_s": 3})
-    with pytest.raises(errors.APIError) as refused:
-        asyncio.run(calls.start(GenerateRequest(prompt_token_ids=[1]), "online"))
-    assert refused.value.status_code == 429 and refused.value.headers == {"Retry-After": "3"}
-    assert refused.value.body()["error"]["type"] == "rate_limit_error"
+    for why in ("the oldest waiting request has waited 4.2 s, past this pool's max_queue_delay_ms (4000)",
+                "it waited past this pool's max_queue_delay_ms (4000) without starting"):
+        shed = _Stream([{"request_id": "r", "error": {"status_code": 429, "message": why}}])
+        calls = _calls({"online": _Pool([shed])}, None, {"retry_after_s": 3})
+        with pytest.raises(errors.APIError) as refused:
+            asyncio.run(calls.start(GenerateRequest(prompt_token_ids=[1]), "online"))
+        assert refused.value.status_code == 429 and refused.value.headers == {"Retry-After": "3"}
+        error = refused.value.body()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+        # the engine's reason, so that a client (and foreserve chaos) tells a refusal at the door from
+        # one of a request that waited its whole limit
+        assert error["message"] == f"The online pool is too busy to answer in time: {why}; retry after 3 s.", error

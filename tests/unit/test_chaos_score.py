@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtests.chaos.score import classify, score
+from loadtests.chaos.score import classify, overload, score
 
 
 def _record(start: float, error: str | None = None, status: int = 200, tokens: int = 8, e2e_ms: float = 1000) -> dict:
@@ -96,12 +96,31 @@ def test_a_batch_output_is_scored_line_by_line_against_its_input():
     assert output_counts(bad, 4) == {"answered": 3, "failed_rows": 1, "lost": 1, "duplicated": 1}
 
 
+def _replaced_offline() -> list[tuple[float, float, tuple[int, ...]]]:
+    """An offline replica flat at 1,600 MB for 21 minutes, scaled to zero and started again (a new
+    pid, first sampled mid-load at 1,184 MB), then 1,635 MB rising 0.1 MB a minute."""
+    old = [(float(t), 1600.0, (11,)) for t in range(0, 1270, 10)]
+    new = [(1300.0, 1184.0, (12,))] + [(float(t), 1635.0 + (t - 1310) / 600, (12,)) for t in range(1310, 1800, 10)]
+    return old + new
+
+
+def test_a_role_whose_processes_were_replaced_gets_the_slope_of_its_longest_lived_ones():
+    from loadtests.chaos.soak import memory_figures
+
+    proxy = [(float(t), 200.0 + t / 360, (5,)) for t in range(0, 1800, 10)]  # +10 MB/hour, the same process all along
+    figures = memory_figures({"offline": _replaced_offline(), "proxy": proxy, "online": []}, window_s=300.0)
+    # across both processes a least-squares line would read the restart as growth (or loss)
+    assert figures["rss_slope_mb_per_hour"] == {"offline": 0.0, "proxy": 10.0}
+    assert figures["rss_slope_after_first_window_mb_per_hour"] == {"offline": 0.0, "proxy": 10.0}
+    assert figures["rss_processes_replaced"] == {"offline": 1, "proxy": 0}
+
+
 def test_the_soak_plots_each_roles_rss(tmp_path):
     from loadtests.chaos.soak import plot_rss
 
-    samples = {"online": [(t, 1000.0 + t / 60) for t in range(0, 600, 10)], "proxy": [(t, 200.0) for t in range(0, 600, 10)],
-               "offline": []}
-    plot_rss(samples, {"online": 60.0, "proxy": 0.0}, 120.0, tmp_path / "rss.png")
+    samples = {"online": [(t, 1000.0 + t / 60, (7,)) for t in range(0, 600, 10)],
+               "proxy": [(t, 200.0, (5,)) for t in range(0, 600, 10)], "offline": _replaced_offline()}
+    plot_rss(samples, {"online": 60.0, "proxy": 0.0, "offline": 0.0}, 120.0, tmp_path / "rss.png")
     assert (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -114,3 +133,19 @@ def test_a_reset_counts_apart_only_as_the_last_probe_before_the_port_closed():
     assert unclean_probes(["ReadError", "ReadError", "refused"]) == (["ReadError"], 1)
     assert unclean_probes(["503+retry", "500", "refused"]) == (["500"], 0)
     assert unclean_probes(["refused"]) == ([], 0)
+
+
+def test_overload_tells_refusals_at_the_door_from_those_after_a_whole_wait():
+    def refused(why: str, e2e_ms: float) -> dict:
+        body = f'{{"error": {{"message": "The online pool is too busy to answer in time: {why}; retry after 2 s."}}}}'
+        return {**_record(0, f"HTTP 429: {body}", 429, 0, e2e_ms), "retry_after": "2", "tier": "online"}
+
+    door = "the oldest waiting request has waited 4.1 s, past this pool's max_queue_delay_ms (4000)"
+    late = "it waited past this pool's max_queue_delay_ms (4000) without starting"
+    records = [refused(door, ms) for ms in (30, 40, 900)] + [refused(late, ms) for ms in (4100, 4700)]
+    records += [{**_record(i), "tier": "online", "ttft_ms": 500 + 100 * i} for i in range(4)]
+    row = overload(records)
+    assert (row["refused_429"], row["refused_with_retry_after"]) == (5, 5)
+    assert (row["refused_at_admission"], row["refused_after_waiting"]) == (3, 2)
+    assert row["refusal_p99_ms"] == 900 and row["late_refusal_p99_ms"] == 4700  # the door's, then the waited ones'
+    assert (row["admitted_online_ttft_p50_ms"], row["admitted_online_ttft_p99_ms"]) == (700, 800)
