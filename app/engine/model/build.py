@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from app.config import EngineConfig
+from app.heap import release_free_heap
 from app.engine.runner import Runner
 
 
 def build_runner(config: EngineConfig) -> tuple[Runner, int]:
-    """The runner for ``config`` (tensor-parallel when configured) and its KV pool's size in blocks."""
+    """The runner for ``config`` (tensor-parallel when configured) and its KV pool's size in blocks;
+    the heap pages its loading freed go back to the OS (``app/heap.py``)."""
     from app.engine.model.hf_runner import HFRunner
     from app.engine.model.llama import model_config
     from app.engine.model.setup import on_short_lived_thread
@@ -21,4 +23,6 @@ def build_runner(config: EngineConfig) -> tuple[Runner, int]:
         from app.engine.parallel.tp import TPRunner
 
         return TPRunner(config, num_blocks), num_blocks  # its ranks are processes of their own
-    return on_short_lived_thread(lambda: HFRunner(config, num_blocks)), num_blocks  # see its docstring
+    runner = on_short_lived_thread(lambda: HFRunner(config, num_blocks))  # see its docstring
+    release_free_heap()
+    return runner, num_blocks

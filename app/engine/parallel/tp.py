@@ -24,6 +24,7 @@ from multiprocessing import connection
 from app.config import EngineConfig
 from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from app.engine.runner import Runner
+from app.heap import release_free_heap
 from app.ports import free_port
 
 STARTUP_TIMEOUT_S = 900.0
@@ -107,6 +108,7 @@ def build_rank_runner(rank: int, world: int, config: EngineConfig, num_blocks: i
     runner = HFRunner(config, num_blocks, model=engine.module, with_tokenizer=False)
     torch.distributed.barrier()  # every rank has mapped every shm buffer: the names can go
     _unlink(shm_path(os.environ["MASTER_ADDR"], master_port, rank))
+    release_free_heap()  # the full model each rank loaded before sharding it (app/heap.py)
     return runner
 
 
