@@ -64,9 +64,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def role_memory(role: str, app: str = "foreserve") -> tuple[float, tuple[int, ...]]:
+    """Summed RSS in MB of ``role``'s processes, and their pids (sorted)."""
+    found = tuple(sorted(pids(role, app)))
+    return round(sum(rss_mb(p) or 0.0 for p in found), 1), found
+
+
 def memory(app: str = "foreserve") -> dict[str, float]:
     """Summed RSS in MB of each role's processes."""
-    return {role: round(sum(rss_mb(p) or 0.0 for p in pids(role, app)), 1) for role in ROLES}
+    return {role: role_memory(role, app)[0] for role in ROLES}
 
 
 def signal_role(role: str, sig: signal.Signals, app: str = "foreserve") -> list[int]:

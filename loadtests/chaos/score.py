@@ -66,8 +66,9 @@ def overload(records: list[dict]) -> dict:
     p99; p99 of the first and the second half of the arrivals: bounded TTFT does not grow with the
     backlog)."""
     refused = [r for r in records if r.get("status") == 429]
-    late = [r for r in refused if LATE_REFUSAL in (r.get("error") or "")]
-    door = [r for r in refused if LATE_REFUSAL not in (r.get("error") or "")]
+    late, door = [], []
+    for r in refused:
+        (late if LATE_REFUSAL in (r.get("error") or "") else door).append(r)
     online = sorted((r for r in records if r.get("tier") == "online" and r.get("ttft_ms") is not None),
                     key=lambda r: r["start"])
     ttfts = [r["ttft_ms"] for r in online]

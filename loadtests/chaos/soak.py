@@ -100,8 +100,8 @@ def soak(url: str, out: Path, key: str, rate: float, minutes: float, every_s: fl
         while not stop.is_set():
             now = time.monotonic() - t0
             for role in procs.ROLES:
-                pids = tuple(sorted(procs.pids(role)))
-                if mb := round(sum(procs.rss_mb(pid) or 0.0 for pid in pids), 1):
+                mb, pids = procs.role_memory(role)
+                if mb:
                     samples[role].append((now, mb, pids))
             stop.wait(every_s)
 

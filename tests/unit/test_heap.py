@@ -27,7 +27,7 @@ def test_pages_a_start_up_freed_amid_live_ones_go_back_to_the_os():
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     blocks = [libc.malloc(4096) for _ in range(200 * 256)]
-    for i, block in enumerate(blocks):
+    for block in blocks:
         ctypes.memset(block, 1, 4096)  # touched: resident
     kept = blocks[::64]
     for i, block in enumerate(blocks):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from app.config import EngineConfig
-from app.heap import release_free_heap
 from app.engine.runner import Runner
+from app.heap import release_free_heap
 
 
 def build_runner(config: EngineConfig) -> tuple[Runner, int]:
