@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
+.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -156,6 +156,11 @@ loadtest-ab: prepare
 	$(VENV)/bin/foreserve loadtest stub-check --rate 0.3 --factor 5 --duration 60 --report reports/loadtest_stub
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest ab --rates 0.2,0.3 --duration 90 --drain-s 300 --tpot-slo-ms 300 \
 		--report reports/loadtest_ab
+
+# The same online load against llama-server and foreserve, medians of 3 (docs/benchmarks/llama-cpp.md; ~45 min)
+loadtest-llama-cpp: prepare llama-cpp
+	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest peer --rates 1.0,1.5 --duration 60 --drain-s 180 --repeats 3 \
+		--tpot-targets knee,100 --report reports/loadtest_peer
 
 # Faults under load against a service it starts (docs/chaos.md); exit status 1 if a request hung or broke
 chaos: prepare

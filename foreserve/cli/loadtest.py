@@ -1,4 +1,5 @@
-"""``foreserve loadtest``: Locust SLO load tests (one run, ``ab`` of two schedulers, ``stub-check``)."""
+"""``foreserve loadtest``: Locust SLO load tests (one run, ``ab`` of two schedulers, ``peer`` against
+llama-server, ``stub-check``)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,36 @@ def cmd_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peer(args: argparse.Namespace) -> int:
+    import os
+
+    from app.config import DEFAULT_CONFIG_PATH
+    from loadtests.peer import run_peer
+
+    if args.mode != "open":
+        raise ValueError("loadtest peer runs open-loop arrivals (a rate sweep); drop --mode closed")
+    for t in args.tpot_targets:
+        if t != "knee" and not (t.replace(".", "", 1).isdigit() and float(t) > 0):
+            raise ValueError(f"--tpot-targets: {t!r} is neither `knee` nor a step time in ms")
+    if args.slots < 1 or args.ctx_tokens < 1:
+        raise ValueError("--slots and --ctx-tokens must be >= 1")
+    llama = {"dtype": args.llama_cpp, "slots": args.slots, "ctx_tokens": args.ctx_tokens,
+             "threads": args.threads or os.cpu_count() or 1}
+    result = run_peer(_spec(args), args.rates, args.duration, Path(args.report), Path(args.config or DEFAULT_CONFIG_PATH),
+                      args.tpot_targets, llama, args.repeats)
+    keys = ("ttft_p90_ms", "tpot_p50_ms", "mean_e2e_ms", "slo_attainment", "goodput_rps", "output_tokens_per_s", "failures")
+    print(f"\nmedians of {args.repeats}; TTFT p90, TPOT p50 and mean E2E of the answered requests")
+    print(f"{'rate':>5} {'system':<28}" + "".join(f"{k:>20}" for k in keys))
+    for row in result["by_rate"]:
+        for system, med in row["medians"].items():
+            print(f"{row['rate']:>5g} {system:<28}" + "".join(f"{'-' if med[k] is None else f'{med[k]:g}':>20}" for k in keys))
+        for system, checks in row["targets"].items():
+            print(f"      {system} against llama-server: " + ", ".join(
+                f"{c['metric']} {c['ratio']}x ({'met' if c['met'] else 'NOT met'})" for c in checks))
+    print(f"wrote {args.report}/peer.json, peer.png and a report per system, rate and repeat")
+    return 0
+
+
 def cmd_stub_check(args: argparse.Namespace) -> int:
     from loadtests.ab import run_stub_check
 
@@ -122,7 +153,8 @@ def add_parser(sub) -> None:
         "serve_config.yaml on a free port and stops after. Prompts are ShareGPT validation prompts; each request "
         "streams, with max_tokens = the prompt's true length capped at --max-tokens. Writes REPORT/summary.json, "
         "report.html (latency CDFs, latency over time with the SLO, replicas over time), locust.html and Locust's "
-        "CSVs. `loadtest ab` compares the online pool's schedulers; `loadtest stub-check` tests the generator.",
+        "CSVs. `loadtest ab` compares the online pool's schedulers; `loadtest peer` runs the same load against "
+        "llama.cpp's llama-server; `loadtest stub-check` tests the generator.",
     )
     _load_options(p)
     p.add_argument("--stages", help="instead of --rate/--duration: name:seconds:level[,...], level = rps (open) or users "
@@ -150,6 +182,27 @@ def add_parser(sub) -> None:
     a.add_argument("--repeats", type=int, default=1, help="repeat the pair (order alternates); medians (default 1)")
     a.add_argument("--report", default="reports/loadtest_ab", help="report directory (default reports/loadtest_ab)")
     a.set_defaults(func=cmd_ab, stages=None)
+
+    q = lsub.add_parser("peer", help="the same online load against foreserve and llama.cpp's llama-server, back to back",
+                        description="At each rate of --rates, the same prompts at the same Poisson arrival times "
+                        "against llama-server (`make llama-cpp` builds it; a fresh server per run, the served weights "
+                        "as a GGUF) and against a service started from --config, once per --tpot-targets variant; "
+                        "medians of --repeats (the order alternates). Prints each system's figures and the online "
+                        "targets against llama-server (TPOT p50, mean E2E, TTFT p90 no higher; goodput 1.5x), "
+                        "writes peer.json, peer.png and every run's report.")
+    _load_options(q)
+    q.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.5],
+                   help="comma-separated request rates (default 1.0,1.5)")
+    q.add_argument("--tpot-targets", type=lambda s: s.split(","), default=["knee"],
+                   help="foreserve variants: `knee` (the config's step policy) or the online pool's tpot_target_ms, "
+                   "e.g. knee,100 (default knee)")
+    q.add_argument("--llama-cpp", choices=("bf16", "f32", "q4_1"), default="bf16", help="llama-server's GGUF dtype (default bf16)")
+    q.add_argument("--slots", type=int, default=8, help="llama-server's parallel slots, -np (default 8)")
+    q.add_argument("--ctx-tokens", type=int, default=8192, help="llama-server's unified KV cache, -c (default 8192)")
+    q.add_argument("--threads", type=int, help="llama-server's threads, -t and -tb (default: every core)")
+    q.add_argument("--repeats", type=int, default=1, help="repeat every system (order alternates); medians (default 1)")
+    q.add_argument("--report", default="reports/loadtest_peer", help="report directory (default reports/loadtest_peer)")
+    q.set_defaults(func=cmd_peer, stages=None)
 
     s = lsub.add_parser("stub-check", help="the load generator alone, at a multiple of a rate, against a stub endpoint",
                         description="Starts loadtests/stub_server.py (streams max_tokens chunks, no model) and runs the "

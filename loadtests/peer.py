@@ -1,0 +1,172 @@
+"""``foreserve loadtest peer``: the same online load against foreserve and llama.cpp's ``llama-server``
+on the same machine, back to back, at each rate; medians of repeats, the order alternating.
+
+llama-server runs the served weights as a GGUF (``loadtests/bench/llama_cpp.py``) with one unified
+KV cache and a fixed number of slots, and starts afresh for every run (it has no /health that says
+it is idle). foreserve runs the given serve_config.yaml, its online pool aimed at the test's SLOs,
+optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,100``: the throughput knee,
+and steps sized for 100 ms). One service per variant and repeat serves every rate.
+
+Requests a system refuses (foreserve's 429 + ``Retry-After`` when its online queue passes
+``max_queue_delay_ms``) count as failures: they lower SLO attainment and goodput, and they are not in
+the latency percentiles, which describe the answered requests. ``peer.json`` holds every run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import yaml
+
+from loadtests.ab import scheduler_config, wait_idle, warm_up
+from loadtests.loadtest import LoadSpec, Service, _measure, build_workload
+
+LLAMA = "llama-server"
+# The issue's online targets, foreserve against llama-server: (metric, better when, factor)
+TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("goodput_rps", "higher", 1.5),
+           ("ttft_p90_ms", "lower", 1.0))
+
+
+def variant_name(tpot_target: str) -> str:
+    return "foreserve" if tpot_target == "knee" else f"foreserve tpot {tpot_target} ms"
+
+
+def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec) -> Path:
+    """``source`` with the online pool aimed at the test's SLOs and, unless ``tpot_target`` is
+    ``knee``, its ``tpot_target_ms`` set."""
+    path = scheduler_config(source, out, None, spec.slos["online"])
+    if tpot_target != "knee":
+        data = yaml.safe_load(path.read_text())
+        data["applications"][0]["args"]["pools"]["online"]["tpot_target_ms"] = float(tpot_target)
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def key_figures(summary: dict) -> dict:
+    """The online tier's figures the comparison reads."""
+    t = summary["tiers"]["online"]
+    return {"requests": t["requests"], "failures": t["failures"], "ttft_p50_ms": t["ttft_ms"]["p50"],
+            "ttft_p90_ms": t["ttft_ms"]["p90"], "tpot_p50_ms": t["tpot_ms"]["p50"], "tpot_p90_ms": t["tpot_ms"]["p90"],
+            "mean_e2e_ms": t["e2e_ms"]["mean"], "slo_attainment": t["slo_attainment"],
+            "goodput_rps": t["goodput_rps"], "output_tokens_per_s": t["output_tokens_per_s"]}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (a figure missing in a run, e.g. no answer at all, is left out)."""
+    out = {}
+    for k in runs[0]:
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = round(statistics.median(values), 3) if values else None
+    return out
+
+
+def verdicts(ours: dict, peer: dict) -> list[dict]:
+    """Each target: foreserve's and the peer's medians, the ratio, and whether it holds."""
+    rows = []
+    for metric, better, factor in TARGETS:
+        a, b = ours.get(metric), peer.get(metric)
+        if a is None or b is None:
+            rows.append({"metric": metric, "foreserve": a, "peer": b, "ratio": None, "met": False})
+            continue
+        ratio = round(a / b, 3) if b else None
+        met = a <= b * factor if better == "lower" else a >= b * factor
+        rows.append({"metric": metric, "foreserve": a, "peer": b, "ratio": ratio, "met": met,
+                     "target": f"{'<=' if better == 'lower' else '>='} {factor:g}x"})
+    return rows
+
+
+def _run(spec: LoadSpec, url: str, out: Path, rate: float, duration_s: float, extra: dict) -> dict:
+    run_spec = spec.model_copy(update={"stages": f"steady:{duration_s:g}:{rate:g}"})
+    out.mkdir(parents=True, exist_ok=True)
+    workload = out / "workload.jsonl"
+    build_workload(run_spec, workload)
+    return key_figures(_measure(run_spec, url, out, workload, extra, True))
+
+
+def _llama_runs(spec, rates, duration_s, report, rep, llama: dict) -> dict[float, dict]:
+    from loadtests.bench.llama_cpp import LlamaServer, gguf
+
+    got = {}
+    for rate in rates:
+        with LlamaServer(gguf(llama["dtype"]), llama["ctx_tokens"], llama["slots"], llama["threads"]) as server:
+            warm_up(server.url)
+            got[rate] = _run(spec, server.url, report / "llama-server" / f"rate_{rate:g}" / f"run_{rep}", rate, duration_s,
+                             {"system": LLAMA, "repeat": rep, **llama})
+    return got
+
+
+def _foreserve_runs(spec, rates, duration_s, report, rep, config: Path, tpot_target: str) -> dict[float, dict]:
+    name = variant_name(tpot_target)
+    out = report / name.replace(" ", "_")
+    service = Service(variant_config(config, out / "serve_config.yaml", tpot_target, spec), out / f"service_{rep}.log")
+    got = {}
+    try:
+        warm_up(service.url)
+        for rate in rates:
+            wait_idle(service.url)
+            got[rate] = _run(spec, service.url, out / f"rate_{rate:g}" / f"run_{rep}", rate, duration_s,
+                             {"system": name, "repeat": rep, "startup_s": round(service.startup_s, 1)})
+    finally:
+        service.stop()
+    return got
+
+
+def run_peer(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, config: Path,
+             tpot_targets: list[str], llama: dict, repeats: int = 1) -> dict:
+    """Every system at every rate, ``repeats`` times (the order reversed on odd repeats); writes and
+    returns peer.json's content."""
+    systems = [LLAMA] + [variant_name(t) for t in tpot_targets]
+    runs: dict[str, dict[float, list[dict]]] = {s: {r: [] for r in rates} for s in systems}
+    for rep in range(repeats):
+        order = [None, *tpot_targets]
+        for target in (order if rep % 2 == 0 else order[::-1]):
+            got = (_llama_runs(spec, rates, duration_s, report, rep, llama) if target is None
+                   else _foreserve_runs(spec, rates, duration_s, report, rep, config, target))
+            name = LLAMA if target is None else variant_name(target)
+            for rate, figures in got.items():
+                runs[name][rate].append(figures)
+                print(f"{name} rate {rate:g} run {rep}: {json.dumps(figures)}", flush=True)
+    by_rate = []
+    for rate in rates:
+        med = {s: medians(runs[s][rate]) for s in systems}
+        by_rate.append({"rate": rate, "medians": med,
+                        "targets": {s: verdicts(med[s], med[LLAMA]) for s in systems if s != LLAMA}})
+    result = {"systems": systems, "rates": rates, "duration_s": duration_s, "repeats": repeats, "llama_server": llama,
+              "slo": {t: s.model_dump() for t, s in spec.slos.items()}, "max_tokens": spec.max_tokens,
+              "runs": {s: {f"{r:g}": v for r, v in by_rate_runs.items()} for s, by_rate_runs in runs.items()},
+              "by_rate": by_rate}
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "peer.json").write_text(json.dumps(result, indent=2))
+    plot_peer(result, report / "peer.png")
+    return result
+
+
+def plot_peer(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("tpot_p50_ms", "TPOT p50 (ms)"), ("mean_e2e_ms", "mean E2E (ms)"),
+              ("goodput_rps", "goodput (req/s within SLO)"), ("ttft_p90_ms", "TTFT p90 (ms, log)"),
+              ("failed_share", "refused or failed (share of sent)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(22, 4))
+    rates = [row["rate"] for row in result["by_rate"]]
+    for system in result["systems"]:
+        for ax, (key, label) in zip(axes, panels):
+            meds = [row["medians"][system] for row in result["by_rate"]]
+            ys = [m["failures"] / m["requests"] if key == "failed_share" else m[key] for m in meds]
+            ax.plot(rates, ys, marker="o", label=system)
+            ax.set(xlabel="offered rate (req/s)", ylabel=label)
+    axes[0].axhline(result["slo"]["online"]["tpot_ms"], color="grey", linestyle="--", label="TPOT SLO")
+    axes[3].axhline(result["slo"]["online"]["ttft_ms"], color="grey", linestyle="--", label="TTFT SLO")
+    axes[3].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"online load, foreserve and llama-server (medians of {result['repeats']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
