@@ -1,0 +1,77 @@
+"""The linears of one decode step, timed alone, against a plain read of as many bytes: how near a
+small batch's step is to the machine's memory bandwidth.
+
+    python -m loadtests.bench.linear_bandwidth --rows 1 8 --threads 2
+
+The weights are the served model's shapes (q/k/v and gate/up fused, as the runner fuses them, and
+the LM head) in bfloat16, random; each linear runs as the runner runs it (``cpu_linear.fast_linear``:
+oneDNN's bfloat16 kernels on a CPU with native bfloat16, else foreserve's AVX2 kernel for few rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from app.runtime_env import process_defaults
+
+
+def step_shapes(model_path) -> list[tuple[int, int]]:
+    """(out, in) of every linear a decode step calls, in order."""
+    from app.engine.model.llama import model_config
+
+    c = model_config(model_path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+             (c.hidden_size, c.intermediate_size)]
+    return layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1000
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows per linear (the decode batch)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=12, help="timed passes (median reported)")
+    args = ap.parse_args(argv)
+    process_defaults()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from app import paths
+    from app.engine.model.cpu_kernels import bf16_linear_op
+    from app.engine.model.cpu_linear import fast_linear, native_bf16
+
+    shapes = step_shapes(paths.model_dir())
+    modules = []
+    for out_f, in_f in shapes:
+        m = torch.nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16).requires_grad_(False)
+        modules.append(m)
+    op = None if native_bf16() else bf16_linear_op()
+    fast = [fast_linear(m, op) for m in modules]
+    nbytes = sum(o * i * 2 for o, i in shapes)
+    kernel = "oneDNN bfloat16" if native_bf16() else "foreserve AVX2 bfloat16"
+    print(f"{len(shapes)} linears, {nbytes / 1e6:.0f} MB of bfloat16 weights, {torch.get_num_threads()} threads, {kernel}")
+    with torch.inference_mode():
+        for rows in args.rows:
+            xs = {i: torch.randn(rows, i) for _, i in set(shapes)}
+            ms = median_ms(lambda: [f(xs[i]) for f, (_, i) in zip(fast, shapes)], args.repeats)
+            print(f"rows {rows:3d}: {ms:7.2f} ms a step's linears  ({nbytes / ms / 1e6:5.1f} GB/s of weights)")
+        block = torch.randn(nbytes // 4)
+        ms = median_ms(block.sum, args.repeats)
+        print(f"plain read (sum of {nbytes / 1e6:.0f} MB): {ms:7.2f} ms  ({nbytes / ms / 1e6:5.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
