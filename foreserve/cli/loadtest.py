@@ -146,6 +146,14 @@ def _load_options(p, rate_default: float = 0.5) -> None:
     p.add_argument("--config", help="serve_config.yaml for the service it starts (default: the repository's)")
 
 
+def _sweep_options(p, rates: list[float], report: str, repeats_help: str) -> None:
+    """--rates, --repeats and --report of a sweep (``ab``, ``peer``)."""
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=rates,
+                   help=f"comma-separated request rates, a sweep (default {','.join(f'{r:g}' for r in rates)})")
+    p.add_argument("--repeats", type=int, default=1, help=f"{repeats_help}; medians (default 1)")
+    p.add_argument("--report", default=report, help=f"report directory (default {report})")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "loadtest", help="Locust SLO load test: TTFT/TPOT/ITL/E2E, SLO attainment and goodput per tier, HTML report",
@@ -175,12 +183,9 @@ def add_parser(sub) -> None:
                         "same prompts at the same Poisson arrival times, at each rate of --rates; prints mean E2E "
                         "and goodput ratios per rate, writes ab.json, ab.png and every run's report.")
     _load_options(a)
-    a.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.3, 0.5],
-                   help="comma-separated request rates, a sweep (default 0.3,0.5)")
+    _sweep_options(a, [0.3, 0.5], "reports/loadtest_ab", "repeat the pair (order alternates)")
     a.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
                    help="the two schedulers (default online,fcfs)")
-    a.add_argument("--repeats", type=int, default=1, help="repeat the pair (order alternates); medians (default 1)")
-    a.add_argument("--report", default="reports/loadtest_ab", help="report directory (default reports/loadtest_ab)")
     a.set_defaults(func=cmd_ab, stages=None)
 
     q = lsub.add_parser("peer", help="the same online load against foreserve and llama.cpp's llama-server, back to back",
@@ -191,8 +196,7 @@ def add_parser(sub) -> None:
                         "targets against llama-server (TPOT p50, mean E2E, TTFT p90 no higher; goodput 1.5x), "
                         "writes peer.json, peer.png and every run's report.")
     _load_options(q)
-    q.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.5],
-                   help="comma-separated request rates (default 1.0,1.5)")
+    _sweep_options(q, [1.0, 1.5], "reports/loadtest_peer", "repeat every system (order alternates)")
     q.add_argument("--tpot-targets", type=lambda s: s.split(","), default=["knee"],
                    help="foreserve variants: `knee` (the config's step policy) or the online pool's tpot_target_ms, "
                    "e.g. knee,100 (default knee)")
@@ -200,8 +204,6 @@ def add_parser(sub) -> None:
     q.add_argument("--slots", type=int, default=8, help="llama-server's parallel slots, -np (default 8)")
     q.add_argument("--ctx-tokens", type=int, default=8192, help="llama-server's unified KV cache, -c (default 8192)")
     q.add_argument("--threads", type=int, help="llama-server's threads, -t and -tb (default: every core)")
-    q.add_argument("--repeats", type=int, default=1, help="repeat every system (order alternates); medians (default 1)")
-    q.add_argument("--report", default="reports/loadtest_peer", help="report directory (default reports/loadtest_peer)")
     q.set_defaults(func=cmd_peer, stages=None)
 
     s = lsub.add_parser("stub-check", help="the load generator alone, at a multiple of a rate, against a stub endpoint",
