@@ -9,7 +9,11 @@ and steps sized for 100 ms). One service per variant and repeat serves every rat
 
 Requests a system refuses (foreserve's 429 + ``Retry-After`` when its online queue passes
 ``max_queue_delay_ms``) count as failures: they lower SLO attainment and goodput, and they are not in
-the latency percentiles, which describe the answered requests. ``peer.json`` holds every run.
+the latency percentiles, which describe the answered requests. Goodput here is the requests within
+the SLOs per second of the arrival window (``good_per_window_rps``), the same denominator for every
+system: a load test's own ``goodput_rps`` divides by the time to the last answer, which a system
+with a long queue stretches and one that refuses early shortens. ``peer.json`` holds every run and
+is written again after each system's runs.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ from pathlib import Path
 
 import yaml
 
-from loadtests.ab import scheduler_config, wait_idle, warm_up
-from loadtests.loadtest import LoadSpec, Service, _measure, build_workload
+from loadtests.ab import _ratio, scheduler_config, wait_idle, warm_up
+from loadtests.loadtest import LoadSpec, Service, run_load
 
 LLAMA = "llama-server"
 # The issue's online targets, foreserve against llama-server: (metric, better when, factor)
-TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("goodput_rps", "higher", 1.5),
+TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("good_per_window_rps", "higher", 1.5),
            ("ttft_p90_ms", "lower", 1.0))
 
 
@@ -45,12 +49,16 @@ def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec) ->
 
 
 def key_figures(summary: dict) -> dict:
-    """The online tier's figures the comparison reads."""
+    """The online tier's figures the comparison reads; ``good_per_window_rps``: requests within the
+    SLOs per second of the arrival window."""
     t = summary["tiers"]["online"]
+    good = (t["slo_attainment"] or 0.0) * t["requests"]
+    window = summary["config"]["arrival_window_s"]
     return {"requests": t["requests"], "failures": t["failures"], "ttft_p50_ms": t["ttft_ms"]["p50"],
             "ttft_p90_ms": t["ttft_ms"]["p90"], "tpot_p50_ms": t["tpot_ms"]["p50"], "tpot_p90_ms": t["tpot_ms"]["p90"],
             "mean_e2e_ms": t["e2e_ms"]["mean"], "slo_attainment": t["slo_attainment"],
-            "goodput_rps": t["goodput_rps"], "output_tokens_per_s": t["output_tokens_per_s"]}
+            "good_per_window_rps": round(good / window, 4), "goodput_rps": t["goodput_rps"],
+            "output_tokens_per_s": t["output_tokens_per_s"]}
 
 
 def medians(runs: list[dict]) -> dict:
@@ -70,8 +78,8 @@ def verdicts(ours: dict, peer: dict) -> list[dict]:
         if a is None or b is None:
             rows.append({"metric": metric, "foreserve": a, "peer": b, "ratio": None, "met": False})
             continue
-        ratio = round(a / b, 3) if b else None
-        met = a <= b * factor if better == "lower" else a >= b * factor
+        ratio = _ratio(a, b)  # the peer at 0: inf where foreserve is above it, None where both are 0
+        met = a <= b * factor if better == "lower" else (a >= b * factor and a > 0)
         rows.append({"metric": metric, "foreserve": a, "peer": b, "ratio": ratio, "met": met,
                      "target": f"{'<=' if better == 'lower' else '>='} {factor:g}x"})
     return rows
@@ -79,10 +87,7 @@ def verdicts(ours: dict, peer: dict) -> list[dict]:
 
 def _run(spec: LoadSpec, url: str, out: Path, rate: float, duration_s: float, extra: dict) -> dict:
     run_spec = spec.model_copy(update={"stages": f"steady:{duration_s:g}:{rate:g}"})
-    out.mkdir(parents=True, exist_ok=True)
-    workload = out / "workload.jsonl"
-    build_workload(run_spec, workload)
-    return key_figures(_measure(run_spec, url, out, workload, extra, True))
+    return key_figures(run_load(run_spec, out, url, None, extra))  # a fresh records file, even in a report dir used before
 
 
 def _llama_runs(spec, rates, duration_s, report, rep, llama: dict) -> dict[float, dict]:
@@ -115,10 +120,14 @@ def _foreserve_runs(spec, rates, duration_s, report, rep, config: Path, tpot_tar
 
 def run_peer(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, config: Path,
              tpot_targets: list[str], llama: dict, repeats: int = 1) -> dict:
-    """Every system at every rate, ``repeats`` times (the order reversed on odd repeats); writes and
-    returns peer.json's content."""
+    """Every system at every rate, ``repeats`` times (the order reversed on odd repeats); writes
+    peer.json after each system's runs (a sweep cut short keeps what it measured) and returns it."""
     systems = [LLAMA] + [variant_name(t) for t in tpot_targets]
     runs: dict[str, dict[float, list[dict]]] = {s: {r: [] for r in rates} for s in systems}
+    meta = {"systems": systems, "rates": rates, "duration_s": duration_s, "repeats": repeats, "llama_server": llama,
+            "slo": {t: s.model_dump() for t, s in spec.slos.items()}, "max_tokens": spec.max_tokens}
+    report.mkdir(parents=True, exist_ok=True)
+    result: dict = {}
     for rep in range(repeats):
         order = [None, *tpot_targets]
         for target in (order if rep % 2 == 0 else order[::-1]):
@@ -128,19 +137,21 @@ def run_peer(spec: LoadSpec, rates: list[float], duration_s: float, report: Path
             for rate, figures in got.items():
                 runs[name][rate].append(figures)
                 print(f"{name} rate {rate:g} run {rep}: {json.dumps(figures)}", flush=True)
-    by_rate = []
-    for rate in rates:
-        med = {s: medians(runs[s][rate]) for s in systems}
-        by_rate.append({"rate": rate, "medians": med,
-                        "targets": {s: verdicts(med[s], med[LLAMA]) for s in systems if s != LLAMA}})
-    result = {"systems": systems, "rates": rates, "duration_s": duration_s, "repeats": repeats, "llama_server": llama,
-              "slo": {t: s.model_dump() for t, s in spec.slos.items()}, "max_tokens": spec.max_tokens,
-              "runs": {s: {f"{r:g}": v for r, v in by_rate_runs.items()} for s, by_rate_runs in runs.items()},
-              "by_rate": by_rate}
-    report.mkdir(parents=True, exist_ok=True)
-    (report / "peer.json").write_text(json.dumps(result, indent=2))
+            result = summarize_runs(runs, meta)
+            (report / "peer.json").write_text(json.dumps(result, indent=2))
     plot_peer(result, report / "peer.png")
     return result
+
+
+def summarize_runs(runs: dict[str, dict[float, list[dict]]], meta: dict) -> dict:
+    """peer.json: ``meta``, every run, and per rate each system's medians and the targets against
+    llama-server (a system or rate not run yet is left out)."""
+    by_rate = []
+    for rate in meta["rates"]:
+        med = {s: medians(by[rate]) for s, by in runs.items() if by[rate]}
+        targets = {s: verdicts(m, med[LLAMA]) for s, m in med.items() if s != LLAMA and LLAMA in med}
+        by_rate.append({"rate": rate, "medians": med, "targets": targets})
+    return {**meta, "runs": {s: {f"{r:g}": v for r, v in by.items()} for s, by in runs.items()}, "by_rate": by_rate}
 
 
 def plot_peer(result: dict, path: Path) -> None:
@@ -150,15 +161,16 @@ def plot_peer(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = (("tpot_p50_ms", "TPOT p50 (ms)"), ("mean_e2e_ms", "mean E2E (ms)"),
-              ("goodput_rps", "goodput (req/s within SLO)"), ("ttft_p90_ms", "TTFT p90 (ms, log)"),
-              ("failed_share", "refused or failed (share of sent)"))
+              ("good_per_window_rps", "goodput (req/s within SLO, per s of arrivals)"),
+              ("ttft_p90_ms", "TTFT p90 (ms, log)"), ("failed_share", "refused or failed (share of sent)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(22, 4))
-    rates = [row["rate"] for row in result["by_rate"]]
     for system in result["systems"]:
+        rows = [row for row in result["by_rate"] if system in row["medians"]]
+        rates = [row["rate"] for row in rows]
         for ax, (key, label) in zip(axes, panels):
-            meds = [row["medians"][system] for row in result["by_rate"]]
-            ys = [m["failures"] / m["requests"] if key == "failed_share" else m[key] for m in meds]
-            ax.plot(rates, ys, marker="o", label=system)
+            meds = [row["medians"][system] for row in rows]
+            ys = [m["failures"] / m["requests"] if key == "failed_share" and m["requests"] else m.get(key) for m in meds]
+            ax.plot(rates, [float("nan") if y is None else y for y in ys], marker="o", label=system)
             ax.set(xlabel="offered rate (req/s)", ylabel=label)
     axes[0].axhline(result["slo"]["online"]["tpot_ms"], color="grey", linestyle="--", label="TPOT SLO")
     axes[3].axhline(result["slo"]["online"]["ttft_ms"], color="grey", linestyle="--", label="TTFT SLO")

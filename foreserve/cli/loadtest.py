@@ -96,12 +96,21 @@ def cmd_peer(args: argparse.Namespace) -> int:
             raise ValueError(f"--tpot-targets: {t!r} is neither `knee` nor a step time in ms")
     if args.slots < 1 or args.ctx_tokens < 1:
         raise ValueError("--slots and --ctx-tokens must be >= 1")
+    if any(r <= 0 for r in args.rates) or len(set(args.rates)) < len(args.rates):
+        raise ValueError(f"--rates must be distinct rates above 0, got {','.join(f'{r:g}' for r in args.rates)}")
+    if len(set(args.tpot_targets)) < len(args.tpot_targets):
+        raise ValueError(f"--tpot-targets names a variant twice: {','.join(args.tpot_targets)}")
+    spec = _spec(args)
+    if spec.tier_mix.get("online", 0) <= 0:
+        raise ValueError("loadtest peer compares the online tier: give --tier-mix an online share")
     llama = {"dtype": args.llama_cpp, "slots": args.slots, "ctx_tokens": args.ctx_tokens,
              "threads": args.threads or os.cpu_count() or 1}
-    result = run_peer(_spec(args), args.rates, args.duration, Path(args.report), Path(args.config or DEFAULT_CONFIG_PATH),
+    result = run_peer(spec, args.rates, args.duration, Path(args.report), Path(args.config or DEFAULT_CONFIG_PATH),
                       args.tpot_targets, llama, args.repeats)
-    keys = ("ttft_p90_ms", "tpot_p50_ms", "mean_e2e_ms", "slo_attainment", "goodput_rps", "output_tokens_per_s", "failures")
-    print(f"\nmedians of {args.repeats}; TTFT p90, TPOT p50 and mean E2E of the answered requests")
+    keys = ("ttft_p90_ms", "tpot_p50_ms", "mean_e2e_ms", "slo_attainment", "good_per_window_rps", "output_tokens_per_s",
+            "failures")
+    print(f"\nmedians of {args.repeats}; TTFT p90, TPOT p50 and mean E2E of the answered requests; goodput "
+          "(good_per_window_rps) per second of arrivals")
     print(f"{'rate':>5} {'system':<28}" + "".join(f"{k:>20}" for k in keys))
     for row in result["by_rate"]:
         for system, med in row["medians"].items():

@@ -4,8 +4,10 @@ small batch's step is to the machine's memory bandwidth.
     python -m loadtests.bench.linear_bandwidth --rows 1 8 --threads 2
 
 The weights are the served model's shapes (q/k/v and gate/up fused, as the runner fuses them, and
-the LM head) in bfloat16, random; each linear runs as the runner runs it (``cpu_linear.fast_linear``:
-oneDNN's bfloat16 kernels on a CPU with native bfloat16, else foreserve's AVX2 kernel for few rows).
+the LM head) in bfloat16, random; each linear runs as the runner runs it (``cpu_linear.linear`` with ``fast_linear``'s
+function: oneDNN's bfloat16 kernels on a CPU with native bfloat16, else foreserve's AVX2 kernel for
+few rows). GB/s counts the bfloat16 bytes; past ``BF16W_ROWS`` rows an AVX2 machine reads float32
+copies, twice as many.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from app import paths
     from app.engine.model.cpu_kernels import bf16_linear_op
-    from app.engine.model.cpu_linear import fast_linear, native_bf16
+    from app.engine.model.cpu_linear import BF16W_ROWS, fast_linear, linear, native_bf16
 
     shapes = step_shapes(paths.model_dir())
     modules = []
@@ -61,12 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     op = None if native_bf16() else bf16_linear_op()
     fast = [fast_linear(m, op) for m in modules]
     nbytes = sum(o * i * 2 for o, i in shapes)
-    kernel = "oneDNN bfloat16" if native_bf16() else "foreserve AVX2 bfloat16"
+    kernel = ("oneDNN bfloat16" if native_bf16() else f"foreserve AVX2 bfloat16 up to {BF16W_ROWS} rows, "
+              "float32 copies above") if all(fast) else "torch's plain linear"
     print(f"{len(shapes)} linears, {nbytes / 1e6:.0f} MB of bfloat16 weights, {torch.get_num_threads()} threads, {kernel}")
     with torch.inference_mode():
         for rows in args.rows:
             xs = {i: torch.randn(rows, i) for _, i in set(shapes)}
-            ms = median_ms(lambda: [f(xs[i]) for f, (_, i) in zip(fast, shapes)], args.repeats)
+            ms = median_ms(lambda: [linear(m, xs[i], f) for m, f, (_, i) in zip(modules, fast, shapes)], args.repeats)
             print(f"rows {rows:3d}: {ms:7.2f} ms a step's linears  ({nbytes / ms / 1e6:5.1f} GB/s of weights)")
         block = torch.randn(nbytes // 4)
         ms = median_ms(block.sum, args.repeats)

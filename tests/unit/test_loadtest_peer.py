@@ -9,8 +9,8 @@ import yaml
 
 def _figures(**kw) -> dict:
     base = {"requests": 51, "failures": 0, "ttft_p50_ms": 400.0, "ttft_p90_ms": 1000.0, "tpot_p50_ms": 100.0,
-            "tpot_p90_ms": 120.0, "mean_e2e_ms": 20000.0, "slo_attainment": 0.9, "goodput_rps": 0.5,
-            "output_tokens_per_s": 100.0}
+            "tpot_p90_ms": 120.0, "mean_e2e_ms": 20000.0, "slo_attainment": 0.9, "good_per_window_rps": 0.5,
+            "goodput_rps": 0.5, "output_tokens_per_s": 100.0}
     return {**base, **kw}
 
 
@@ -44,14 +44,71 @@ def test_medians_skip_a_figure_a_run_lacks():
 def test_the_online_targets_are_lower_latency_and_one_and_a_half_times_the_goodput():
     from loadtests.peer import verdicts
 
-    peer = _figures(tpot_p50_ms=101.0, mean_e2e_ms=50000.0, goodput_rps=0.1, ttft_p90_ms=60000.0)
-    ours = _figures(tpot_p50_ms=160.0, mean_e2e_ms=30000.0, goodput_rps=0.14, ttft_p90_ms=60000.0)
+    peer = _figures(tpot_p50_ms=101.0, mean_e2e_ms=50000.0, good_per_window_rps=0.1, ttft_p90_ms=60000.0)
+    ours = _figures(tpot_p50_ms=160.0, mean_e2e_ms=30000.0, good_per_window_rps=0.14, ttft_p90_ms=60000.0)
     got = {v["metric"]: (v["ratio"], v["met"]) for v in verdicts(ours, peer)}
     assert got == {"tpot_p50_ms": (1.584, False), "mean_e2e_ms": (0.6, True),
-                   "goodput_rps": (1.4, False),  # 1.4x: short of 1.5x
+                   "good_per_window_rps": (1.4, False),  # 1.4x: short of 1.5x
                    "ttft_p90_ms": (1.0, True)}  # level counts as met
     missing = {v["metric"]: v["met"] for v in verdicts(_figures(tpot_p50_ms=None), peer)}
     assert missing["tpot_p50_ms"] is False
+
+
+def test_no_goodput_on_either_side_is_no_win_and_any_against_none_is():
+    from loadtests.peer import verdicts
+
+    nothing = _figures(good_per_window_rps=0.0)
+    both = {v["metric"]: (v["ratio"], v["met"]) for v in verdicts(nothing, nothing)}
+    assert both["good_per_window_rps"] == (None, False)
+    some = {v["metric"]: (v["ratio"], v["met"]) for v in verdicts(_figures(good_per_window_rps=0.2), nothing)}
+    assert some["good_per_window_rps"] == (float("inf"), True)
+
+
+def test_goodput_is_counted_per_second_of_arrivals_not_to_the_last_answer():
+    from loadtests.peer import key_figures
+
+    tier = {"requests": 50, "failures": 5, "ttft_ms": {"p50": 1, "p90": 2}, "tpot_ms": {"p50": 3, "p90": 4},
+            "e2e_ms": {"mean": 5}, "slo_attainment": 0.4, "goodput_rps": 0.1, "output_tokens_per_s": 6}
+    # 20 of 50 within the SLOs over a 40 s arrival window, whatever the last answer's time (200 s here)
+    summary = {"tiers": {"online": tier}, "duration_s": 200.0, "config": {"arrival_window_s": 40.0}}
+    assert key_figures(summary)["good_per_window_rps"] == 0.5
+
+
+def test_a_run_into_a_used_report_dir_counts_only_its_own_requests(tmp_path, monkeypatch):
+    import json
+
+    from loadtests import loadtest, peer
+    from loadtests.summary import SLO
+
+    out = tmp_path / "run_0"
+    out.mkdir()
+    old = {"tier": "online", "start": 0.0, "status": 200, "error": None, "ttft_ms": 10.0, "e2e_ms": 100.0, "output_tokens": 10}
+    (out / "requests.jsonl").write_text(json.dumps(old) + "\n")  # an earlier sweep's record
+
+    def fake_locust(spec, host, report, workload, api_key=""):
+        new = {**old, "start": 1.0, "status": 429, "error": "HTTP 429"}
+        with (report / "requests.jsonl").open("a") as f:  # the locustfile appends
+            f.write(json.dumps(new) + "\n")
+        return 0
+
+    monkeypatch.setattr(loadtest, "run_locust", fake_locust)
+    monkeypatch.setattr(loadtest, "build_workload", lambda spec, path: 0)
+    monkeypatch.setattr(loadtest, "HealthPoller", type("P", (), {"__init__": lambda *a: None, "start": lambda s: None,
+                                                                "stop": lambda s: None}))
+    spec = loadtest.LoadSpec(stages="steady:10:1", slos={"online": SLO(ttft_ms=2000, tpot_ms=250),
+                                                         "flex": SLO(ttft_ms=2e4, tpot_ms=2500)})
+    figures = peer._run(spec, "http://127.0.0.1:1", out, 1.0, 10, {})
+    assert (figures["requests"], figures["failures"]) == (1, 1)
+
+
+def test_peer_json_keeps_what_a_sweep_cut_short_measured():
+    from loadtests.peer import LLAMA, summarize_runs
+
+    runs = {LLAMA: {1.0: [_figures()], 1.5: []}, "foreserve": {1.0: [], 1.5: []}}
+    meta = {"systems": [LLAMA, "foreserve"], "rates": [1.0, 1.5]}
+    result = summarize_runs(runs, meta)
+    assert [sorted(row["medians"]) for row in result["by_rate"]] == [[LLAMA], []]
+    assert all(row["targets"] == {} for row in result["by_rate"])
 
 
 @pytest.mark.parametrize("bad", ["fast", "-5", "0"])
@@ -62,8 +119,15 @@ def test_a_step_target_that_is_not_a_time_is_refused_before_anything_starts(bad,
     assert f"{bad!r} is neither `knee` nor a step time in ms" in capsys.readouterr().err
 
 
-def test_llama_servers_slots_and_cache_must_be_positive(capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--slots", "0"], "--slots and --ctx-tokens must be >= 1"),
+    (["--rates", "1,0"], "--rates must be distinct rates above 0"),
+    (["--rates", "1,1"], "--rates must be distinct rates above 0"),
+    (["--tpot-targets", "knee,knee"], "names a variant twice"),
+    (["--tier-mix", "flex=1"], "give --tier-mix an online share"),
+])
+def test_bad_sweeps_are_refused_before_anything_starts(args, message, capsys):
     from foreserve.cli.main import main
 
-    assert main(["loadtest", "peer", "--slots", "0", "--report", "/nonexistent/peer"]) == 2
-    assert "--slots and --ctx-tokens must be >= 1" in capsys.readouterr().err
+    assert main(["loadtest", "peer", *args, "--report", "/nonexistent/peer"]) == 2
+    assert message in capsys.readouterr().err
