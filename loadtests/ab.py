@@ -24,11 +24,11 @@ from loadtests.summary import SLO
 
 
 def scheduler_config(source: Path, out: Path, scheduler: str | None, slo: SLO | None = None,
-                     fixed_replicas: bool = False, dtype: str | None = None) -> Path:
+                     fixed_replicas: bool = False, dtype: str | None = None, online: dict | None = None) -> Path:
     """``source`` with the online pool's scheduler set and, with ``slo``, its TTFT/TPOT objectives (the
     scheduler aims at the SLOs the test measures); with ``fixed_replicas`` autoscaling is off and each
     pool keeps its initial replicas (an A/B of schedulers should not also be one of scaling); with
-    ``dtype``, every pool's weights dtype."""
+    ``dtype``, every pool's weights dtype; ``online``: more fields of the online pool."""
     data = yaml.safe_load(source.read_text())
     entry = data["applications"][0]
     if scheduler:
@@ -38,6 +38,7 @@ def scheduler_config(source: Path, out: Path, scheduler: str | None, slo: SLO | 
             pool["dtype"] = dtype
     if slo is not None:
         entry["args"]["pools"]["online"].update(ttft_slo_ms=slo.ttft_ms, tpot_slo_ms=slo.tpot_ms)
+    entry["args"]["pools"]["online"].update(online or {})
     if fixed_replicas:
         entry.pop("autoscaling_policy", None)
         for d in entry.get("deployments", []):

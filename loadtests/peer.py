@@ -22,8 +22,6 @@ import json
 import statistics
 from pathlib import Path
 
-import yaml
-
 from loadtests.ab import _ratio, scheduler_config, wait_idle, warm_up
 from loadtests.loadtest import LoadSpec, Service, run_load
 
@@ -40,12 +38,8 @@ def variant_name(tpot_target: str) -> str:
 def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec) -> Path:
     """``source`` with the online pool aimed at the test's SLOs and, unless ``tpot_target`` is
     ``knee``, its ``tpot_target_ms`` set."""
-    path = scheduler_config(source, out, None, spec.slos["online"])
-    if tpot_target != "knee":
-        data = yaml.safe_load(path.read_text())
-        data["applications"][0]["args"]["pools"]["online"]["tpot_target_ms"] = float(tpot_target)
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
+    return scheduler_config(source, out, None, spec.slos["online"], online=online)
 
 
 def key_figures(summary: dict) -> dict:

@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from app.engine.model.cpu_linear import BF16W_ROWS, fast_linear, linear, native_bf16
 
     shapes = step_shapes(paths.model_dir())
-    modules = []
-    for out_f, in_f in shapes:
-        m = torch.nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16).requires_grad_(False)
-        modules.append(m)
+    modules = [torch.nn.Linear(i, o, bias=False).to(torch.bfloat16).requires_grad_(False) for o, i in shapes]
     op = None if native_bf16() else bf16_linear_op()
     fast = [fast_linear(m, op) for m in modules]
     nbytes = sum(o * i * 2 for o, i in shapes)
