@@ -192,14 +192,19 @@ def gcs_ft_cluster(tmp_path_factory: pytest.TempPathFactory):
     """``cluster`` with Ray's GCS fault tolerance: the head keeps the GCS's tables in a Redis server
     (``tests.services.redis``; ``RAY_REDIS_ADDRESS``, read as the head starts) and its GCS on a fixed
     port, so that a GCS restarted with ``cluster.cluster.head_node.start_gcs_server()`` is found where
-    the nodes left it; they wait ``GCS_RECONNECT_S`` for it."""
+    the nodes left it; they wait ``GCS_RECONNECT_S`` for it.
+
+    NOTE: no dashboard on the head. While the GCS is down, Ray's dashboard (its NodeHead module)
+    polls it without pause, most of a core on this 2-core machine that the engines need; on a real
+    cluster it spins on the head, not on the engines' nodes (docs/cluster.md)."""
     from app.ports import free_port
     from tests.services import redis
 
     with redis() as address, pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_REDIS_ADDRESS", address)
         mp.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_RECONNECT_S))  # nodes inherit it
-        with _local_cluster(tmp_path_factory.mktemp("cluster"), head_args={"gcs_server_port": free_port()}) as started:
+        head = {"gcs_server_port": free_port(), "include_dashboard": False}
+        with _local_cluster(tmp_path_factory.mktemp("cluster"), head_args=head) as started:
             yield started
 
 
