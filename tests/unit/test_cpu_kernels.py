@@ -105,10 +105,12 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
     assert not stale.exists()
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 1536, 576), (3, 7, 9), (16, 96, 13), (33, 64, 40)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 1536, 576), (3, 7, 9), (4, 576, 962), (5, 64, 7), (6, 33, 5),
+                                   (7, 1536, 10), (16, 96, 13), (33, 64, 40)])
 def test_bf16_linear_equals_float64_product(op, m, k, n):
     """x [m, k] float32 times bfloat16 w [n, k]: the product of the exact values, to float32's
-    rounding, for sizes off the kernel's tiles (4 outputs, 2 rows, 8 elements)."""
+    rounding, for sizes on and off the kernel's tiles (4 outputs by 1-2 rows, 2 outputs by 3-4
+    rows; 16 elements) and the outputs and rows left over."""
     lin = bf16_linear_op()
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(m, k, generator=g)

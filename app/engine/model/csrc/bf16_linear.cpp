@@ -7,8 +7,8 @@
 // need AVX512-BF16, AVX-NE-CONVERT or AMX.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]). Threads split the output features; each task
-// walks 4 weight rows at a time against 2 activation rows at a time, so a block of weights is
-// widened once per 2 rows and stays in L1 for the next 2.
+// walks a block of weight rows (4 for 1-2 rows of x, else 2) against up to 2 or 4 rows of x at a
+// time, so a block of weights is widened once per tile of rows and stays in L1 for the next tile.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -61,7 +61,7 @@ inline void tile(const float* x, const float* xe, const float* xo, int64_t k2, c
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (; 2 * kk + 16 <= 2 * k2; kk += 8) {  // kk counts pairs: weights [2 kk, 2 kk + 16)
     __m256 we[NR], wo[NR];
-    if (MR == 1 || m0 == 0)  // the next NR rows, at this column (see PREFETCH_ROWS)
+    if (m0 == 0)  // the rows PREFETCH_ROWS on, at this column (once per weight block)
       for (int j = 0; j < NR; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + PREFETCH_ROWS + j) * k + 2 * kk), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
@@ -90,12 +90,31 @@ inline void tile(const float* x, const float* xe, const float* xo, int64_t k2, c
     for (int j = 0; j < NR; ++j) y[(m0 + i) * ldy + n0 + j] = sums[i][j];
 }
 
-template <int NR>
+// Rows [0, m) against outputs [n0, n0 + NR): tiles of MR rows, then one of the rows left.
+template <int NR, int MR>
 inline void rows(const float* x, const float* xe, const float* xo, int64_t k2, const uint16_t* w, float* y, int64_t m,
                  int64_t k, int64_t n, int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + 2 <= m; m0 += 2) tile<NR, 2>(x, xe, xo, k2, w, y, k, n, m0, n0);
-  if (m0 < m) tile<NR, 1>(x, xe, xo, k2, w, y, k, n, m0, n0);
+  for (; m0 + MR <= m; m0 += MR) tile<NR, MR>(x, xe, xo, k2, w, y, k, n, m0, n0);
+  switch (m - m0) {
+    case 3: tile<NR, 3>(x, xe, xo, k2, w, y, k, n, m0, n0); break;
+    case 2: tile<NR, 2>(x, xe, xo, k2, w, y, k, n, m0, n0); break;
+    case 1: tile<NR, 1>(x, xe, xo, k2, w, y, k, n, m0, n0); break;
+    default: break;
+  }
+}
+
+// All of y: threads split the output features in blocks of NR.
+template <int NR, int MR>
+void run(const float* x, const float* xe, const float* xo, int64_t k2, const uint16_t* w, float* y, int64_t m, int64_t k,
+         int64_t n) {
+  const int64_t blocks = n / NR;
+  // NOTE: 64 KB of weights a task at least: enough work to be worth a thread
+  const int64_t grain = std::max<int64_t>(1, 32768 / (NR * std::max<int64_t>(1, k)));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rows<NR, MR>(x, xe, xo, k2, w, y, m, k, n, b * NR);
+  });
+  for (int64_t n0 = blocks * NR; n0 < n; ++n0) rows<1, MR>(x, xe, xo, k2, w, y, m, k, n, n0);
 }
 
 }  // namespace
@@ -121,14 +140,14 @@ torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const
       xe[i * k2 + e] = x_p[i * k + 2 * e];
       xo[i * k2 + e] = x_p[i * k + 2 * e + 1];
     }
-  constexpr int64_t NR = 4;
-  const int64_t blocks = n / NR;
-  // NOTE: ~16 KB of weights a task at least: enough work to be worth a thread
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, k));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rows<NR>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n, b * NR);
-  });
-  for (int64_t n0 = blocks * NR; n0 < n; ++n0) rows<1>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n, n0);
+  // NOTE: 16 ymm registers hold MR x NR accumulators, the NR rows' widened weights (2 each) and a
+  // row of x: 1-2 rows take 4 weight rows at a time (4 chains of sums, so one row is not bound by
+  // the FMAs' latency); more take 2 weight rows against 4 rows of x, so each widened weight feeds
+  // 4 rows (8 accumulators + 4 + 2 registers).
+  if (m <= 2)
+    run<4, 2>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n);
+  else
+    run<2, 4>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n);
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "linear_bf16w: bias of n elements");
     y.add_(bias->to(at::kFloat).view({1, n}));
