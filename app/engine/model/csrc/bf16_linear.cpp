@@ -25,8 +25,8 @@ namespace {
 
 // Prefetch this many weight rows ahead. A task's NR rows are NR short streams (k bfloat16s each,
 // 18 cache lines at k = 576): too short for the hardware prefetcher to lock on before each ends.
-// Fetching the rows the next tile reads, at the column this one reads, keeps ~NR * k * 2 bytes in
-// flight from DRAM.
+// Each tile fetches, at the column it reads, the NR rows PREFETCH_ROWS on (the next tile's at NR = 4,
+// the one after at NR = 2), which keeps the reads ~PREFETCH_ROWS * k * 2 bytes behind the fetches.
 constexpr int64_t PREFETCH_ROWS = 4;
 
 inline float bf16_to_float(uint16_t v) {
