@@ -61,9 +61,11 @@ test-fast: test-unit
 test-model: $(TIER_PREPARE)
 	$(PY) -m pytest -q tests/model
 
+# PYTHONFAULTHANDLER: a crash while the interpreter exits (after pytest's own handler is gone), as
+# Ray's threads have caused once after the summary, prints every thread's stack.
 test-e2e: $(TIER_PREPARE)
-	$(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
-	$(PY) -m pytest -q --durations=15 tests/e2e -m "slow" || [ $$? -eq 5 ]
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow" || [ $$? -eq 5 ]
 
 # One pytest process per module: each module starts and shuts down a cluster of its own, and a
 # driver process that has shut Ray down and connected again can still be ended by Ray (exit 1,

@@ -46,7 +46,8 @@ def _raise_if_failed(app_name: str) -> None:
 
     status = serve.status().applications.get(app_name)
     if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-        raise RuntimeError(f"Serve could not deploy {app_name!r} ({status.status}): {status.message}")
+        name = getattr(status.status, "value", status.status)  # the name alone, not the enum's repr
+        raise RuntimeError(f"Serve could not deploy {app_name!r} ({name}): {status.message}")
 
 
 def replica_env(joined: bool) -> dict[str, str]:
@@ -133,10 +134,8 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     everything in it applies: per-deployment options and autoscaling, and the application-level
     autoscaling policy that only that path supports. Joined to a cluster, the app listens on every
     interface with a proxy on every node (unless ``host``/``proxy_location`` say otherwise), and
-    the URL returned is the head's."""
-    import ray
-    from ray import serve
-    from ray.serve.context import _get_global_client
+    the URL returned is the head's. A start that fails takes the local cluster it started down with
+    it; a joined cluster is only left, a failed deploy still there for ``serve status``."""
     from ray.serve.schema import ServeDeploySchema
 
     from app.config import DEFAULT_CONFIG_PATH, AppConfig, load_yaml
@@ -171,6 +170,22 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         join_cluster(os.environ["RAY_ADDRESS"], **options)
     else:  # NOTE: a local cluster left dead by a crash: start a fresh one
         init_local(**options)
+    try:
+        url = _deploy(top, entry, config, env, schema, http, proxy_location, joined)
+    except BaseException:  # a failed start takes down what it started, so that the caller may start again
+        _release(joined)
+        raise
+    return url, time.perf_counter() - t0, config
+
+
+def _deploy(top: dict, entry: dict, config, env: dict[str, str], schema, http: dict, proxy_location: str,
+            joined: bool) -> str:
+    """``start``'s part on a connected Ray: checks, Serve, the deploy and the wait until it answers."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
     nodes = ray.nodes()
     check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
     check_replicas_fit_a_node(entry.get("deployments") or [], nodes)
@@ -193,7 +208,7 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     health = wait_ready(url, 180, entry["name"])
     for problem in health.get("problems") or []:
         print(f"foreserve is degraded: {problem}", file=sys.stderr, flush=True)
-    return url, time.perf_counter() - t0, config
+    return url
 
 
 def other_declarative_apps(details: dict, ours: str) -> list[dict]:
@@ -232,12 +247,30 @@ def drain(timeout_s: float, interrupted: Callable[[], bool] = lambda: False, pol
     return left
 
 
+def _release(joined: bool) -> None:
+    """After a failed start: the local cluster goes down with Serve; a joined cluster is only left
+    (a failed deploy stays there for ``serve status``, an app deployed before keeps serving)."""
+    import ray
+    from ray import serve
+
+    try:
+        if not joined:
+            serve.shutdown()
+    except Exception as e:  # noqa: BLE001 - the start's own error is the one to raise
+        print(f"foreserve: Serve did not shut down cleanly ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    _deployed.clear()
+    ray.shutdown()
+
+
 def stop() -> None:
     """Take down what ``start`` started: on a cluster it joined, foreserve's app only (Serve and the
     other apps there keep running); on the local cluster it started, Serve and Ray."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # nothing up (a start that failed took its cluster down)
+        _deployed.clear()
+        return
     if _deployed.get("joined"):
         serve.delete(str(_deployed["app"]))
     else:

@@ -63,8 +63,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     assert registry.champion_version() == "1"
     port = free_port()
     try:
-        url, took_s, _ = start(str(_config(tmp)), port=port)
-        yield {"url": url, "home": home, "startup_s": took_s}
+        config = _config(tmp)
+        url, took_s, _ = start(str(config), port=port)
+        yield {"url": url, "home": home, "startup_s": took_s, "config": config}
     finally:
         _stop()
         mp.undo()
@@ -369,6 +370,11 @@ def test_a_frozen_replica_is_replaced_and_its_request_answered(served):
         except ProcessLookupError:
             pass
     print(f"a request sent to a frozen replica was answered in {took:.1f} s")
-    # NOTE: a bound on the fault's handling (3 checks x the timeout, a forced stop, the replacement's
-    # start), not a speed goal: before the forced stop it was 61.6 s (Serve's graceful stop waited)
-    assert reply.choices[0].message.content and took < 30, took
+    # The bound is what Serve's graceful stop would take at the least: three checks failed by their
+    # timeout, then graceful_shutdown_timeout_s waited for a process that answers nothing (61.6 s
+    # at 10 s checks). The forced stop answers after the checks plus the replacement's start: 21.5 s
+    # on an Intel Xeon, 30.4 s on a loaded CI machine (a 13.5 s start), never a fixed speed.
+    [online] = [d for d in yaml.safe_load(served["config"].read_text())["applications"][0]["deployments"]
+                if d["name"] == "online"]
+    graceful_s = 3 * online["health_check_timeout_s"] + online["graceful_shutdown_timeout_s"]
+    assert reply.choices[0].message.content and took < graceful_s, (took, graceful_s)
