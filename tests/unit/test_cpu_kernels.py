@@ -49,7 +49,7 @@ def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, kv_dtype, lens
         torch.set_num_threads(threads)
 
 
-def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens):
+def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     num_blocks, dim = 64, 32
     max_blocks = -(-int(lens.max()) // BLOCK)
@@ -65,11 +65,17 @@ def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens):
     tables = torch.tensor(tables)
     q = torch.randn(len(lens), heads, dim, generator=g)
     k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
-    got = op(q, k_pool, v_pool, tables, lens, 0.125)
+    got = op(q, k_pool, v_pool, tables, lens, scale)
     assert got.dtype == torch.float32
     # NOTE: bfloat16 K/V are read exactly (as float32), so the reference sees the same values
-    want = reference(q, k_pool.float(), v_pool.float(), tables, lens, 0.125)
+    want = reference(q, k_pool.float(), v_pool.float(), tables, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_with_scores_hundreds_apart(op):
+    """Scores far below the largest (exp of -100s: underflow, where the kernel's vectorised exp clamps)
+    weigh nothing and make no NaN; the largest few decide."""
+    _check_paged_decode(op, 9, 3, torch.bfloat16, torch.tensor([333, 40]), scale=20.0)
 
 
 def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
