@@ -136,6 +136,9 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     interface with a proxy on every node (unless ``host``/``proxy_location`` say otherwise), and
     the URL returned is the head's. A start that fails takes the local cluster it started down with
     it; a joined cluster is only left, a failed deploy still there for ``serve status``."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     from app.config import DEFAULT_CONFIG_PATH, AppConfig, load_yaml
@@ -171,44 +174,40 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
     else:  # NOTE: a local cluster left dead by a crash: start a fresh one
         init_local(**options)
     try:
-        url = _deploy(top, entry, config, env, schema, http, proxy_location, joined)
+        nodes = ray.nodes()
+        check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
+        check_replicas_fit_a_node(entry.get("deployments") or [], nodes)
+        if joined:  # every node that may run a replica: code, versions, store, registry and the model
+            from deployments.preflight import preflight
+
+            for report in preflight(config, env):
+                if report["model_fetched"]:
+                    print(f"node {report['node_ip']}: fetched the model from the store", file=sys.stderr, flush=True)
+        serve.start(proxy_location=proxy_location, http_options=http, controller_options=top.get("controller_options"))
+        client = _get_global_client()
+        if joined:  # a declarative deploy deletes the declarative apps it leaves out: keep the others'
+            others = other_declarative_apps(client.get_serve_details(), entry["name"])
+            schema = ServeDeploySchema.model_validate({**schema.model_dump(exclude_unset=True),
+                                                       "applications": [*others, entry]})
+        client.deploy_apps(schema, _blocking=False)
+        _deployed.update(app=entry["name"], joined=joined)
+        # NOTE: on a cluster where Serve already runs, its HTTP options are the ones it started with
+        listen, listen_port = client.http_config.host, client.http_config.port
+        url = f"http://{head_address() if listen in ('0.0.0.0', '::') else listen}:{listen_port}"
+        health = wait_ready(url, 180, entry["name"])
+        for problem in health.get("problems") or []:
+            print(f"foreserve is degraded: {problem}", file=sys.stderr, flush=True)
     except BaseException:  # a failed start takes down what it started, so that the caller may start again
-        _release(joined)
+        _deployed.clear()  # a joined cluster is only left: a failed deploy stays for `serve status`
+        if not joined:
+            try:
+                stop()  # the local cluster it started, with Serve
+            except Exception as e:  # noqa: BLE001 - the start's own error is the one to raise
+                print(f"foreserve: Serve did not shut down cleanly ({type(e).__name__}: {e})", file=sys.stderr,
+                      flush=True)
+        ray.shutdown()
         raise
     return url, time.perf_counter() - t0, config
-
-
-def _deploy(top: dict, entry: dict, config, env: dict[str, str], schema, http: dict, proxy_location: str,
-            joined: bool) -> str:
-    """``start``'s part on a connected Ray: checks, Serve, the deploy and the wait until it answers."""
-    import ray
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    nodes = ray.nodes()
-    check_registry_reachable_from_every_node(sum(1 for n in nodes if n.get("Alive")), paths.predictor_store().uri())
-    check_replicas_fit_a_node(entry.get("deployments") or [], nodes)
-    if joined:  # every node that may run a replica: code, versions, store, registry and the model
-        from deployments.preflight import preflight
-
-        for report in preflight(config, env):
-            if report["model_fetched"]:
-                print(f"node {report['node_ip']}: fetched the model from the store", file=sys.stderr, flush=True)
-    serve.start(proxy_location=proxy_location, http_options=http, controller_options=top.get("controller_options"))
-    client = _get_global_client()
-    if joined:  # a declarative deploy deletes the declarative apps it leaves out: keep the others'
-        others = other_declarative_apps(client.get_serve_details(), entry["name"])
-        schema = ServeDeploySchema.model_validate({**schema.model_dump(exclude_unset=True), "applications": [*others, entry]})
-    client.deploy_apps(schema, _blocking=False)
-    _deployed.update(app=entry["name"], joined=joined)
-    # NOTE: on a cluster where Serve already runs, its HTTP options are the ones it started with
-    listen, listen_port = client.http_config.host, client.http_config.port
-    url = f"http://{head_address() if listen in ('0.0.0.0', '::') else listen}:{listen_port}"
-    health = wait_ready(url, 180, entry["name"])
-    for problem in health.get("problems") or []:
-        print(f"foreserve is degraded: {problem}", file=sys.stderr, flush=True)
-    return url
 
 
 def other_declarative_apps(details: dict, ours: str) -> list[dict]:
@@ -245,21 +244,6 @@ def drain(timeout_s: float, interrupted: Callable[[], bool] = lambda: False, pol
         print(f"could not drain the ingress ({type(exc).__name__}: {exc}); stopping", file=sys.stderr, flush=True)
         return 0
     return left
-
-
-def _release(joined: bool) -> None:
-    """After a failed start: the local cluster goes down with Serve; a joined cluster is only left
-    (a failed deploy stays there for ``serve status``, an app deployed before keeps serving)."""
-    import ray
-    from ray import serve
-
-    try:
-        if not joined:
-            serve.shutdown()
-    except Exception as e:  # noqa: BLE001 - the start's own error is the one to raise
-        print(f"foreserve: Serve did not shut down cleanly ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    _deployed.clear()
-    ray.shutdown()
 
 
 def stop() -> None:
