@@ -17,7 +17,9 @@ Built on Ray Serve's custom autoscaling API. ``ElasticPolicy`` is the applicatio
   less), and keeps ``offline_idle_replicas`` warm.
 - Elasticity: online comes first. While online is under pressure the offline pool gives up one
   replica per tick down to its min_replicas (which may be 0); it grows back only after online has
-  been calm for ``calm_s``, and never beyond the budget online leaves. Serve drains removed replicas
+  been calm for ``calm_s``, and never beyond the budget online leaves; until then it asks for no
+  more than it last asked for, so a pause in the pressure does not cancel a yield that is waiting out
+  Serve's downscale delay. Serve drains removed replicas
   (``graceful_shutdown_timeout_s``); what does not finish in time is retried by the caller.
 - No starvation: offline work left without a replica for ``offline_max_yield_s`` (online pressured
   all that time) gets one replica back, its share, though online stays pressured; online leaves it
@@ -40,6 +42,7 @@ from autoscale.signals import HeldCalls, PoolSignals, held_calls, pool_signals
 LAST_PRESSURE_KEY = "foreserve_last_pressure_s"
 STARVED_SINCE_KEY = "foreserve_offline_starved_since_s"  # offline had work and no replica since then
 SHARE_KEY = "foreserve_offline_share"  # offline holds its one-replica share until its backlog is done
+OFFLINE_WISH_KEY = "foreserve_offline_desired"  # what the policy last asked for offline, before Serve's delays
 
 
 class ScalingConfig(BaseModel):
@@ -193,7 +196,10 @@ class ElasticPolicy:
             elif calm_for_s >= cfg.calm_s:
                 decision = own
             else:  # may shrink to what its backlog needs, may not grow until online is calm
-                decision = Decision("offline", off_sig.replicas, min(off_sig.target_replicas, own.desired), "wait_calm",
+                # NOTE: not above its last wish either: a yield waiting out Serve's downscale delay
+                # leaves the target unchanged, and asking for that target again would cancel it
+                cap = min(off_sig.target_replicas, state[dep_id].get(OFFLINE_WISH_KEY, off_sig.target_replicas))
+                decision = Decision("offline", off_sig.replicas, min(cap, own.desired), "wait_calm",
                                     f"online calm for {calm_for_s:.0f}/{cfg.calm_s:.0f} s; {own.detail}", own.signals)
             if share and decision.desired < 1:
                 decision = Decision("offline", off_sig.replicas, 1, "share",
@@ -204,7 +210,7 @@ class ElasticPolicy:
                                     f"{decision.detail}; online holds {online_target} of {budget} replicas",
                                     decision.signals)
             decision = _bounded(decision, off_sig)
-            decisions[dep_id] = decision.desired
+            decisions[dep_id] = state[dep_id][OFFLINE_WISH_KEY] = decision.desired
             self.log.record(decision, now)
 
         for name, (dep_id, ctx) in by_name.items():  # other autoscaled deployments: left as they are

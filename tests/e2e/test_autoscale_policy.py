@@ -258,3 +258,36 @@ def test_offline_work_yielded_past_offline_max_yield_s_gets_one_replica_until_it
     assert targets[-40:] == [0] * 40  # backlog done, online still pressured: yielded again
     share = [d for d in read_decisions(tmp_path / "d.jsonl") if d["pool"] == "offline" and d["reason"] == "share"]
     assert share and share[0]["desired"] == 1 and "waited 60 s" in share[0]["detail"]
+
+
+def test_a_yield_pending_in_serves_downscale_delay_is_not_cancelled_by_a_pause_in_pressure(tmp_path, monkeypatch):
+    """Through Serve's wrapper, which holds a downscale until ``downscale_to_zero_delay_s`` of
+    consecutive decisions: online pressured, then between the levels for a tick, then pressured...
+    While online is not yet calm the offline pool keeps wishing for what it yielded to, so the delay
+    runs out and the replica goes; repeating Serve's still-unchanged target would restart the delay
+    every other tick and the yield would never happen."""
+    import ray.serve.autoscaling_policy as serve_policy
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(serve_policy.time, "time", lambda: clock["now"])  # Serve times its delays by the wall clock
+    policy = _apply_app_level_autoscaling_config(ElasticPolicy(
+        replica_budget=2, calm_s=3, offline_idle_replicas=1, decision_log=str(tmp_path / "d.jsonl")))
+    online_cfg = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
+    offline_cfg = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
+                                    downscale_to_zero_delay_s=2)
+    state: dict = {}
+    offline_target, targets = 1, []
+    for t in range(0, 8):
+        clock["now"] = float(t)
+        ttft = 1900 if t % 2 == 0 else 1000  # 95% of the TTFT SLO (pressure), then 50% (between the levels)
+        decisions, state = policy({
+            ONLINE: context(ONLINE, 1, min_replicas=1, max_replicas=1, ttft_ms=ttft, now=float(t),
+                            state=state.get(ONLINE), config=online_cfg),
+            OFFLINE: context(OFFLINE, 1 if offline_target else 0, target=offline_target, min_replicas=0, max_replicas=1,
+                             now=float(t), state=state.get(OFFLINE), config=offline_cfg),
+        })
+        offline_target = decisions[OFFLINE]
+        targets.append(offline_target)
+    assert targets == [1, 1, 0, 0, 0, 0, 0, 0]  # the yield at t=0 takes effect at t=2, the delay's end
+    reasons = [d["reason"] for d in read_decisions(tmp_path / "d.jsonl") if d["pool"] == "offline"]
+    assert reasons[0] == "yield" and all(r in ("yield", "wait_calm") for r in reasons)
