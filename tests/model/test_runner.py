@@ -124,8 +124,8 @@ def gather_runner(runner):
 
 @pytest.mark.model
 def test_runner_decodes_with_the_paged_kernel_unless_told_not_to(runner, gather_runner):
-    assert runner.paged_decode is not None  # built here (tests/unit/test_cpu_kernels.py checks it alone)
-    assert gather_runner.paged_decode is None
+    assert runner.ops.paged_decode is not None  # built here (tests/unit/test_cpu_kernels.py checks it alone)
+    assert gather_runner.ops.paged_decode is None
 
 
 @pytest.mark.model
@@ -157,7 +157,7 @@ def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, ref
     assert HFRunner.kv_bytes_per_token(hf, config.cache_dtype) * 2 == HFRunner.kv_bytes_per_token(hf, "float32")
     r = HFRunner(config, config.kv_pool_blocks(1))
     assert r.k_cache.dtype == torch.bfloat16 and next(r.model.parameters()).dtype == torch.float32
-    assert r.paged_decode is not None  # the kernel reads bfloat16 K/V too
+    assert r.ops.paged_decode is not None  # the kernel reads bfloat16 K/V too
     seqs = [Seq("b", prompts[1], GREEDY), Seq("c", prompts[2], GREEDY, chunk_tokens=13),
             Seq("a", prompts[0], GREEDY, chunk_tokens=7, start_step=3)]
     out = play_engine(r, seqs)
@@ -289,7 +289,7 @@ def test_bfloat16_weights_match_generate_on_the_same_weights(bf16_runner, prompt
     from app.paths import model_dir
 
     r = bf16_runner
-    assert r.k_cache.dtype == torch.bfloat16 and r.act_dtype == torch.float32 and r.paged_decode is not None
+    assert r.k_cache.dtype == torch.bfloat16 and r.act_dtype == torch.float32 and r.ops.paged_decode is not None
     assert r.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16 and len(r.packed) == 30 * 4 + 1
     same_weights = _greedy(same_weights_model, prompts, r.eos_token_id)
     out = play_engine(r, [Seq(name, prompts[i], GREEDY, chunk_tokens=c, start_step=s) for name, i, c, s in MIXED])
@@ -322,3 +322,41 @@ def test_bfloat16_decode_rows_either_side_of_the_kernel_give_the_same_answers(bf
                    for k in range(6) for i in range(3))
     else:
         assert all(out[f"{i}-{k}"] == alone[i] for k in range(6) for i in range(3))
+
+
+@pytest.mark.model
+def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits(bf16_runner, prompts):
+    """Without native bfloat16, a decode step of up to BF16W_ROWS rows runs each layer in one C++
+    call (csrc/decode_layer.cpp): the same kernels in the same order as the Python forward, so the
+    logits and the K/V it stores are the same to the bit. Steps with a prefill run the Python forward."""
+    import dataclasses
+
+    from app.engine.model.cpu_linear import native_bf16
+    from app.engine.model.cpu_ops import takes_fused_layers
+
+    r = bf16_runner
+    if native_bf16():
+        assert r.ops.decode_layer is None  # oneDNN's bfloat16 kernels run the linears
+        return
+    assert r.ops.decode_layer is not None and len(r.ops.layer_weights) == 30
+    lens = [len(p) for p in prompts]
+    tables = [list(range(sum(-(-n // BLOCK) for n in lens[:i]), sum(-(-n // BLOCK) for n in lens[:i + 1])))
+              for i in range(len(prompts))]
+    with torch.inference_mode():
+        r._forward(r._prepare([ScheduledChunk(f"p{i}", p[:-1], 0, tables[i], False, GREEDY, 0)
+                               for i, p in enumerate(prompts)]))  # the prompts' K/V but their last token
+        decode = [ScheduledChunk(f"p{i}", p[-1:], len(p) - 1, tables[i], True, GREEDY, 0) for i, p in enumerate(prompts)]
+        step = r._prepare(decode)
+        assert takes_fused_layers(step)
+        kv = r.k_cache.clone(), r.v_cache.clone()
+        fused = r._forward(step)
+        kv_fused = r.k_cache.clone(), r.v_cache.clone()
+        r.k_cache.copy_(kv[0]), r.v_cache.copy_(kv[1])
+        ops, r.ops = r.ops, dataclasses.replace(r.ops, decode_layer=None)
+        try:
+            plain = r._forward(step)
+        finally:
+            r.ops = ops
+    assert torch.equal(fused, plain) and torch.equal(kv_fused[0], r.k_cache) and torch.equal(kv_fused[1], r.v_cache)
+    assert fused.argmax(-1).tolist() != [] and not takes_fused_layers(r._prepare(decode[:1] + [
+        ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]))

@@ -171,3 +171,54 @@ def test_add_rms_norm_adds_in_place_and_normalizes(op):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(add_rms_norm(h, None, w, 1e-5), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(h, want_h)  # no delta: h unchanged
+
+
+def test_silu_mul_equals_torch(op):
+    from app.engine.model.cpu_kernels import silu_mul_op
+
+    silu_mul = silu_mul_op()
+    gate_up = torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 6
+    gate, up = gate_up.chunk(2, dim=1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        silu_mul(gate_up[:, 1:])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("first", [True, False])  # the first layer has no delta to add
+def test_decode_layer_equals_its_kernels_one_by_one(op, rows, first):
+    """The layer in one call runs the kernels the runner's Python forward calls, in that order: the
+    same residual stream, K/V pool and output, bit for bit."""
+    from app.engine.model import cpu_kernels as k
+
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, dim, hidden, inner = 9, 3, 64, 96, 160
+
+    def weight(n, m):
+        return (torch.randn(n, m, generator=g) / m**0.5).to(torch.bfloat16)
+
+    norms = [1 + 0.1 * torch.randn(hidden, generator=g) for _ in range(2)]
+    ws = [weight((heads + 2 * kv_heads) * dim, hidden), weight(hidden, heads * dim), weight(2 * inner, hidden),
+          weight(hidden, inner)]
+    h = torch.randn(rows, hidden, generator=g)
+    delta = None if first else torch.randn(rows, hidden, generator=g)
+    angles = torch.randn(rows, dim // 2, generator=g)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    lens = torch.tensor([40, 17, 5][:rows])
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]][:rows])
+    slots = torch.stack([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens.tolist())])
+    pools = [torch.randn(6, BLOCK, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    args = (cos, sin, slots)
+
+    h1, k1, v1 = h.clone(), pools[0].clone(), pools[1].clone()
+    x = k.add_rms_norm_op()(h1, delta, norms[0], 1e-5)
+    qk = k.rope_store_op()(k.bf16_linear_op()(x, ws[0], None), *args, k1, v1, heads, kv_heads)
+    o = op(qk[:, :heads].contiguous(), k1, v1, tables, lens, 0.125)
+    x = k.add_rms_norm_op()(h1, k.bf16_linear_op()(o.view(rows, -1), ws[1], None), norms[1], 1e-5)
+    want = k.bf16_linear_op()(k.silu_mul_op()(k.bf16_linear_op()(x, ws[2], None)), ws[3], None)
+
+    h2, k2, v2 = h.clone(), pools[0].clone(), pools[1].clone()
+    got = k.decode_layer_op()(h2, delta, norms[0], ws[0], ws[1], norms[1], ws[2], ws[3], 1e-5, *args, k2, v2,
+                              tables, lens, heads, kv_heads, 0.125)
+    assert torch.equal(got, want) and torch.equal(h2, h1) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert not torch.equal(h2, h)  # the residual stream was updated in place

@@ -1,7 +1,8 @@
 """foreserve's own CPU kernels: decode attention straight from the paged KV pool
 (``csrc/paged_decode.cpp``), a linear layer with bfloat16 weights for few rows (``csrc/bf16_linear.cpp``)
-RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``) and the residual add with
-the RMSNorm after it (``csrc/rms_norm.cpp``).
+RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``), the residual add with
+the RMSNorm after it (``csrc/rms_norm.cpp``), and SiLU(gate) * up and a whole decoder layer of a
+decode step in one call (``csrc/decode_layer.cpp``).
 
 One extension, built on first use with torch's C++ extension loader (g++ and ninja, 93 s here on 2 cores), once per machine
 and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
@@ -27,7 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("module.cpp", "paged_decode.cpp", "bf16_linear.cpp", "rope_store.cpp", "rms_norm.cpp")]
+           for name in ("module.cpp", "paged_decode.cpp", "bf16_linear.cpp", "rope_store.cpp", "rms_norm.cpp",
+                        "decode_layer.cpp")]
 # NOTE: -ffast-math lets GCC vectorize the softmax's exp (glibc's libmvec); finite math stays off, so
 # the -inf/FLT_MAX logic keeps its meaning. No -fopenmp at link time: at::parallel_for resolves to
 # torch's own libgomp, the one OpenMP runtime (and thread team) of the process.
@@ -88,6 +90,22 @@ def add_rms_norm_op() -> Callable | None:
     place, then ``weight * h / sqrt(mean(h^2) + eps)``, float32; None where the kernels cannot be built."""
     module = _module()
     return None if module is None else module.add_rms_norm
+
+
+def silu_mul_op() -> Callable | None:
+    """``silu_mul(gate_up [T, 2 I]) -> silu(gate) * up [T, I]`` (``csrc/decode_layer.cpp``), float32;
+    None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.silu_mul
+
+
+def decode_layer_op() -> Callable | None:
+    """``decode_layer(h, delta, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, eps, cos, sin,
+    slots, k_pool, v_pool, tables, lens, heads, kv_heads, scale) -> delta`` (``csrc/decode_layer.cpp``):
+    one Llama layer of a decode step, bfloat16 weights, ``h`` updated in place; None where the
+    kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.decode_layer
 
 
 def _module():

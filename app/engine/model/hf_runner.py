@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from app.config import EngineConfig
 from app.engine.model.cpu_linear import FastLinear, linear, native_bf16, pack_layers, warm_up
+from app.engine.model.cpu_ops import CpuOps, cpu_ops, rms_norm_params, takes_fused_layers
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
 from app.engine.model.sampler import Sampler
@@ -88,20 +89,14 @@ class HFRunner(Runner):
         # (DeepSpeed's modules, which all-reduce inside) run their own forward.
         self.plain_mlp = all(_is_plain_gated_mlp(layer.mlp) for layer in self.layers)
         self.plain_lm_head = type(self.lm_head) is torch.nn.Linear
-        # (weight, eps) of each float32 RMSNorm, read once here rather than on every call
-        self._rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]] = {}
-        for norm in self.model.modules():
-            eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
-            w = getattr(norm, "weight", None)
-            if "RMSNorm" in type(norm).__name__ and eps is not None and w is not None and w.dtype == torch.float32:
-                self._rms_params[norm] = (w, eps)
+        self._rms_params = rms_norm_params(self.model)  # read once here rather than on every call
         # ``fast_linear``'s functions by module (a module missing runs the plain path), and per layer
         # q, k, v and gate, up fused into one linear each (None where unfused)
         self.packed: dict[torch.nn.Module, FastLinear] = {}
         self.fused_qkv: list[torch.nn.Linear | None] = [None] * len(self.layers)
         self.fused_gate_up: list[torch.nn.Linear | None] = [None] * len(self.layers)
+        bf16_op = None
         if config.cpu_prepacked_linears:
-            bf16_op = None
             if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not native_bf16():
                 from app.engine.model.cpu_kernels import bf16_linear_op
 
@@ -128,16 +123,11 @@ class HFRunner(Runner):
         # NOTE: reused gather buffers; a fresh multi-MB tensor per layer costs page faults every step.
         self._kbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         self._vbuf = torch.empty(0, dtype=self.kv_dtype, device=self.device)
-        self.paged_decode = None
-        self.rope_store = None  # RoPE + the K/V store in one C++ op, for fused q, k, v
-        self.add_rms_norm = None  # the residual add + RMSNorm in one C++ op
+        self.ops = CpuOps()
         if config.cpu_paged_attention and self.device.type == "cpu" and self.act_dtype == torch.float32 \
                 and self.kv_dtype in (torch.float32, torch.bfloat16):
-            from app.engine.model.cpu_kernels import add_rms_norm_op, paged_decode_op, rope_store_op
-
-            self.paged_decode = paged_decode_op()
-            self.rope_store = rope_store_op() if any(self.fused_qkv) else None
-            self.add_rms_norm = add_rms_norm_op()
+            self.ops = cpu_ops(self.layers, self.fused_qkv, self.fused_gate_up, self.plain_mlp, self._rms_params,
+                               bf16w=bf16_op is not None)
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -171,7 +161,7 @@ class HFRunner(Runner):
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> Step:
         return build_step(chunks, self.block_size, self.rotary, self.k_cache, self.act_dtype,
-                          paged=self.paged_decode is not None)
+                          paged=self.ops.paged_decode is not None)
 
     def _forward(self, step: Step) -> torch.Tensor:
         """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""
@@ -180,7 +170,16 @@ class HFRunner(Runner):
         last = len(self.layers) - 1
         pk = self.packed.get
         delta = None  # a sublayer's output, added to h where the next norm reads it
+        fused = self.ops.decode_layer is not None and takes_fused_layers(step)
+        if fused:
+            cos, sin = step.cos.view(T, -1), step.sin.view(T, -1)
+            fused_last = step.sample_rows.numel() == T  # all rows sampled: the last layer needs no row selection
         for i, layer in enumerate(self.layers):
+            if fused and (i != last or fused_last):
+                delta = self.ops.decode_layer(h, delta, *self.ops.layer_weights[i], cos, sin, step.slots, self.k_cache[i],
+                                          self.v_cache[i], step.decode_tables, step.decode_lens, self.num_heads,
+                                          self.num_kv_heads, self.scale)
+                continue
             attn = layer.self_attn
             h, x = self._add_norm(layer.input_layernorm, h, delta)
             kc = self.k_cache[i]
@@ -192,8 +191,8 @@ class HFRunner(Runner):
                 out = linear(qkv, x, pk(qkv))
                 nq = self.num_heads + self.num_kv_heads
                 v = out[:, nq * self.head_dim:].view(T, self.num_kv_heads, self.head_dim)
-                if self.rope_store is not None and out.dtype == torch.float32:
-                    qk = self.rope_store(out, step.cos.view(T, -1), step.sin.view(T, -1), step.slots, kc, vc,
+                if self.ops.rope_store is not None and out.dtype == torch.float32:
+                    qk = self.ops.rope_store(out, step.cos.view(T, -1), step.sin.view(T, -1), step.slots, kc, vc,
                                          self.num_heads, self.num_kv_heads)
                     stored = True
                 else:
@@ -222,11 +221,15 @@ class HFRunner(Runner):
             if self.plain_mlp:
                 mlp = layer.mlp
                 if (gu := self.fused_gate_up[i]) is not None:
-                    gate, up = linear(gu, x, pk(gu)).chunk(2, dim=1)
+                    gate_up = linear(gu, x, pk(gu))
+                    if self.ops.silu_mul is not None and gate_up.is_contiguous():
+                        act = self.ops.silu_mul(gate_up)
+                    else:
+                        gate, up = gate_up.chunk(2, dim=1)
+                        act = mlp.act_fn(gate) * up
                 else:
-                    gate = linear(mlp.gate_proj, x, pk(mlp.gate_proj))
-                    up = linear(mlp.up_proj, x, pk(mlp.up_proj))
-                delta = linear(mlp.down_proj, mlp.act_fn(gate) * up, pk(mlp.down_proj))
+                    act = mlp.act_fn(linear(mlp.gate_proj, x, pk(mlp.gate_proj))) * linear(mlp.up_proj, x, pk(mlp.up_proj))
+                delta = linear(mlp.down_proj, act, pk(mlp.down_proj))
             else:
                 delta = layer.mlp(x.to(self.dtype)).to(self.act_dtype)
         _, h = self._add_norm(self.norm, h, delta)
@@ -245,8 +248,8 @@ class HFRunner(Runner):
             h = h if delta is None else h + delta
             return h, norm(h)
         w, eps = params
-        if self.add_rms_norm is not None and h.is_contiguous() and (delta is None or delta.is_contiguous()):
-            return h, self.add_rms_norm(h, delta, w, eps)
+        if self.ops.add_rms_norm is not None and h.is_contiguous() and (delta is None or delta.is_contiguous()):
+            return h, self.ops.add_rms_norm(h, delta, w, eps)
         h = h if delta is None else h + delta
         return h, F.rms_norm(h, w.shape, w, eps)
 
@@ -257,7 +260,7 @@ class HFRunner(Runner):
         out = q.new_empty(T, self.num_heads, hd)
         if step.decode_tables is not None:
             nd = step.num_decode
-            out[:nd] = self.paged_decode(q[:nd].contiguous(), kc, vc, step.decode_tables, step.decode_lens, self.scale)
+            out[:nd] = self.ops.paged_decode(q[:nd].contiguous(), kc, vc, step.decode_tables, step.decode_lens, self.scale)
         for g in step.decode:
             # Grouped heads as the query axis: q [n, KVH, rep, D] against K [n, KVH, L, D], one SDPA.
             n = g.end - g.start

@@ -1,5 +1,5 @@
-// The Python module of foreserve's CPU kernels: paged_decode.cpp, bf16_linear.cpp, rope_store.cpp
-// and rms_norm.cpp.
+// The Python module of foreserve's CPU kernels: paged_decode.cpp, bf16_linear.cpp, rope_store.cpp,
+// rms_norm.cpp and decode_layer.cpp.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -10,6 +10,13 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          int64_t heads, int64_t kv_heads);
 torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight,
                            double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor decode_layer(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& input_norm,
+                           const torch::Tensor& qkv_w, const torch::Tensor& o_w, const torch::Tensor& post_norm,
+                           const torch::Tensor& gate_up_w, const torch::Tensor& down_w, double eps,
+                           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                           const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& tables,
+                           const torch::Tensor& lens, int64_t heads, int64_t kv_heads, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
@@ -21,5 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight (CPU, float32)",
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_store", &rope_store, "RoPE on q and k of a fused qkv, k and v stored into the paged pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate-up output [T, 2 I] (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layer", &decode_layer, "one Llama decoder layer of a decode step, bfloat16 weights (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

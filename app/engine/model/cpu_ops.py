@@ -1,0 +1,87 @@
+"""The runner's C++ ops on a CPU (``cpu_kernels.py``), chosen once per runner; among them a decoder
+layer in one call for decode steps (``csrc/decode_layer.cpp``).
+
+At one row, a layer's kernels take ~0.8 ms on 2 cores, and the ~14 torch calls the Python forward
+makes between them (slices, views, chunk, silu, mul, allocations) took 3-4 ms of a 33 ms step of
+SmolLM2-135M. ``decode_layer`` runs the same kernels in the same order from C++, so a step that
+takes it gives the same logits to the bit (``tests/unit/test_runner_cpu.py``).
+
+It applies where every linear goes through ``linear_bf16w``: bfloat16 weights on a CPU without
+native bfloat16 and at most ``BF16W_ROWS`` rows, a plain Llama layer (fused q-k-v and gate-up, SiLU,
+float32 RMSNorms of one eps, no biases, no QK norms), and a step whose rows are all decode rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.model.cpu_linear import BF16W_ROWS
+from app.engine.model.step_inputs import Step
+
+# (input norm weight, qkv weight, o weight, post-attention norm weight, gate-up weight, down weight, eps)
+LayerWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+
+def rms_norm_params(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[torch.Tensor, float]]:
+    """(weight, eps) of each float32 RMSNorm among ``model``'s modules: those ``add_rms_norm`` runs."""
+    params = {}
+    for norm in model.modules():
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        w = getattr(norm, "weight", None)
+        if "RMSNorm" in type(norm).__name__ and eps is not None and w is not None and w.dtype == torch.float32:
+            params[norm] = (w, eps)
+    return params
+
+
+@dataclass(frozen=True)
+class CpuOps:
+    """The C++ ops a runner calls; None where one does not apply (or the kernels cannot be built)."""
+
+    paged_decode: Callable | None = None  # decode attention straight from the paged pool
+    rope_store: Callable | None = None  # RoPE + the K/V store, for fused q, k, v
+    add_rms_norm: Callable | None = None  # the residual add + RMSNorm
+    silu_mul: Callable | None = None  # SiLU(gate) * up of the fused gate-up output
+    decode_layer: Callable | None = None  # a whole layer of a decode step...
+    layer_weights: list[LayerWeights] | None = None  # ...and its arguments, by layer
+
+
+def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list, plain_mlp: bool,
+            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w: bool) -> CpuOps:
+    """The ops for these layers (``bf16w``: the linears run ``linear_bf16w`` at few rows)."""
+    from app.engine.model import cpu_kernels
+
+    rope_store = cpu_kernels.rope_store_op() if any(fused_qkv) else None
+    silu = plain_mlp and all(type(layer.mlp.act_fn) is torch.nn.SiLU for layer in layers)
+    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w and rope_store else None
+    return CpuOps(paged_decode=cpu_kernels.paged_decode_op(), rope_store=rope_store,
+                  add_rms_norm=cpu_kernels.add_rms_norm_op(), silu_mul=cpu_kernels.silu_mul_op() if silu else None,
+                  decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights)
+
+
+def decode_layer_weights(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
+                         rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]]) -> list[LayerWeights] | None:
+    """Each layer's arguments to ``decode_layer``, or None unless every layer is one it runs."""
+    weights: list[LayerWeights] = []
+    for layer, qkv, gate_up in zip(layers, fused_qkv, fused_gate_up):
+        attn, mlp = layer.self_attn, layer.mlp
+        if qkv is None or gate_up is None or hasattr(attn, "q_norm") or type(getattr(mlp, "act_fn", None)) is not torch.nn.SiLU:
+            return None
+        linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        if any(type(m) is not torch.nn.Linear or m.bias is not None or m.weight.dtype != torch.bfloat16
+               or not m.weight.is_contiguous() for m in linears):
+            return None
+        norms = [rms_params.get(layer.input_layernorm), rms_params.get(layer.post_attention_layernorm)]
+        if norms[0] is None or norms[1] is None or norms[0][1] != norms[1][1]:
+            return None
+        weights.append((norms[0][0], qkv.weight, attn.o_proj.weight, norms[1][0], gate_up.weight,
+                        mlp.down_proj.weight, float(norms[0][1])))
+    return weights
+
+
+def takes_fused_layers(step: Step) -> bool:
+    """Whether ``step`` is one ``decode_layer`` runs: decode rows only, few enough for ``linear_bf16w``."""
+    rows = step.input_ids.shape[0]
+    return step.decode_tables is not None and step.num_decode == rows and not step.prefills and 0 < rows <= BF16W_ROWS
