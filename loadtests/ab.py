@@ -10,7 +10,6 @@ with ``repeats`` > 1 the order alternates and medians are reported.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import yaml
 
 from app.ports import free_port
 from loadtests.loadtest import ROOT, LoadSpec, Service, _measure, build_workload, get_json, served_model
-from loadtests.summary import SLO
+from loadtests.summary import SLO, key_figures, medians
 
 
 def scheduler_config(source: Path, out: Path, scheduler: str | None, slo: SLO | None = None,
@@ -70,13 +69,6 @@ def wait_idle(url: str, timeout_s: float = 300) -> None:
         time.sleep(1)
 
 
-def _key(summary: dict, tier: str = "online") -> dict:
-    t = summary["tiers"][tier]
-    return {"mean_e2e_ms": t["e2e_ms"]["mean"], "p90_ttft_ms": t["ttft_ms"]["p90"], "goodput_rps": t["goodput_rps"],
-            "slo_attainment": t["slo_attainment"], "output_tokens_per_s": t["output_tokens_per_s"],
-            "failures": t["failures"], "requests": t["requests"]}
-
-
 def _preemptions(url: str) -> tuple[int, int]:
     """The online pool's preemptions and recomputed tokens so far (its engine's counters)."""
     pool = ((get_json(f"{url}/health") or {}).get("pools") or {}).get("online") or {}
@@ -105,7 +97,7 @@ def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, 
                     summary = _measure(run_spec, service.url, run_dir, workload,
                                        {"scheduler": scheduler, "repeat": rep, "startup_s": round(service.startup_s, 1)}, True)
                     after = _preemptions(service.url)
-                    runs[scheduler][rate].append({**_key(summary), "preemptions": after[0] - before[0],
+                    runs[scheduler][rate].append({**key_figures(summary), "preemptions": after[0] - before[0],
                                                   "recomputed_tokens": after[1] - before[1]})
                     print(f"{scheduler:>6} rate {rate:g}: {json.dumps(runs[scheduler][rate][-1])}", flush=True)
             finally:
@@ -115,7 +107,7 @@ def run_ab(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, 
               "runs": {s: {f"{r:g}": v for r, v in by_rate.items()} for s, by_rate in runs.items()}, "by_rate": []}
     a, b = schedulers
     for rate in rates:
-        med = {s: {k: statistics.median(run[k] for run in runs[s][rate]) for k in runs[s][rate][0]} for s in schedulers}
+        med = {s: medians(runs[s][rate]) for s in schedulers}
         result["by_rate"].append({
             "rate": rate, **{s: med[s] for s in schedulers},
             "mean_e2e_ratio": _ratio(med[b]["mean_e2e_ms"], med[a]["mean_e2e_ms"]),  # > 1: a is faster
@@ -141,7 +133,7 @@ def plot_ab(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     rates = [row["rate"] for row in result["by_rate"]]
     for scheduler in result["schedulers"]:
-        for ax, key, label in zip(axes, ("mean_e2e_ms", "goodput_rps", "p90_ttft_ms"),
+        for ax, key, label in zip(axes, ("mean_e2e_ms", "goodput_rps", "ttft_p90_ms"),
                                   ("mean E2E latency (ms)", "goodput (req/s within SLO)", "p90 TTFT (ms)")):
             ax.plot(rates, [row[scheduler][key] for row in result["by_rate"]], marker="o", label=scheduler)
             ax.set(xlabel="offered rate (req/s)", ylabel=label)

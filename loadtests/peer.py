@@ -19,11 +19,11 @@ is written again after each system's runs.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from loadtests.ab import _ratio, scheduler_config, wait_idle, warm_up
 from loadtests.loadtest import LoadSpec, Service, run_load
+from loadtests.summary import key_figures, medians
 
 LLAMA = "llama-server"
 # The issue's online targets, foreserve against llama-server: (metric, better when, factor)
@@ -40,28 +40,6 @@ def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec) ->
     ``knee``, its ``tpot_target_ms`` set."""
     online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
     return scheduler_config(source, out, None, spec.slos["online"], online=online)
-
-
-def key_figures(summary: dict) -> dict:
-    """The online tier's figures the comparison reads; ``good_per_window_rps``: requests within the
-    SLOs per second of the arrival window."""
-    t = summary["tiers"]["online"]
-    good = (t["slo_attainment"] or 0.0) * t["requests"]
-    window = summary["config"]["arrival_window_s"]
-    return {"requests": t["requests"], "failures": t["failures"], "ttft_p50_ms": t["ttft_ms"]["p50"],
-            "ttft_p90_ms": t["ttft_ms"]["p90"], "tpot_p50_ms": t["tpot_ms"]["p50"], "tpot_p90_ms": t["tpot_ms"]["p90"],
-            "mean_e2e_ms": t["e2e_ms"]["mean"], "slo_attainment": t["slo_attainment"],
-            "good_per_window_rps": round(good / window, 4), "goodput_rps": t["goodput_rps"],
-            "output_tokens_per_s": t["output_tokens_per_s"]}
-
-
-def medians(runs: list[dict]) -> dict:
-    """Each figure's median over the runs (a figure missing in a run, e.g. no answer at all, is left out)."""
-    out = {}
-    for k in runs[0]:
-        values = [r[k] for r in runs if r.get(k) is not None]
-        out[k] = round(statistics.median(values), 3) if values else None
-    return out
 
 
 def verdicts(ours: dict, peer: dict) -> list[dict]:

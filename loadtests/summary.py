@@ -6,12 +6,14 @@ One record per request, written by the locustfile as the request ends: ``tier``,
 
 TPOT is (E2E − TTFT) / (output tokens − 1). A request meets its SLO when it succeeded and both its
 TTFT and its TPOT are within the tier's objectives; goodput is such requests per second of the test
-(DistServe's definition), SLO attainment their share of all requests sent.
+(DistServe's definition), SLO attainment their share of all requests sent. ``key_figures`` and
+``medians`` are what the comparisons of runs read (``loadtest ab``, ``loadtest peer``).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +98,25 @@ def summarize(records: list[dict], slos: dict[str, SLO], config: dict) -> dict:
         "achieved_rps": round(len(records) / seconds, 4) if seconds > 0 else 0.0,
         "config": config,
     }
+
+
+def key_figures(summary: dict) -> dict:
+    """The online tier's figures the comparison reads; ``good_per_window_rps``: requests within the
+    SLOs per second of the arrival window."""
+    t = summary["tiers"]["online"]
+    good = (t["slo_attainment"] or 0.0) * t["requests"]
+    window = summary["config"]["arrival_window_s"]
+    return {"requests": t["requests"], "failures": t["failures"], "ttft_p50_ms": t["ttft_ms"]["p50"],
+            "ttft_p90_ms": t["ttft_ms"]["p90"], "tpot_p50_ms": t["tpot_ms"]["p50"], "tpot_p90_ms": t["tpot_ms"]["p90"],
+            "mean_e2e_ms": t["e2e_ms"]["mean"], "slo_attainment": t["slo_attainment"],
+            "good_per_window_rps": round(good / window, 4), "goodput_rps": t["goodput_rps"],
+            "output_tokens_per_s": t["output_tokens_per_s"]}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (a figure missing in a run, e.g. no answer at all, is left out)."""
+    out = {}
+    for k in runs[0]:
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = round(statistics.median(values), 3) if values else None
+    return out

@@ -182,6 +182,10 @@ def test_offline_shrinks_only_when_backlog_would_half_fill_fewer_replicas(tmp_pa
 
 
 INGRESS = DeploymentID(name="ingress", app_name="foreserve")
+# the pools' delays and bounds as serve_config.yaml deploys them on 2 cores
+ONLINE_AS_DEPLOYED = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
+OFFLINE_AS_DEPLOYED = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
+                                        downscale_to_zero_delay_s=2)
 
 
 def ingress_context(held_requests: float, held_tokens: float, now: float = 0.0, state=None) -> AutoscalingContext:
@@ -197,9 +201,7 @@ def test_flex_calls_held_at_the_ingress_wake_offline_only_once_online_is_calm(tm
     cold-start rule does not fire; they are offline backlog, granted only after online's calm_s."""
     policy = _apply_app_level_autoscaling_config(ElasticPolicy(
         replica_budget=2, calm_s=10, offline_idle_replicas=0, decision_log=str(tmp_path / "d.jsonl")))
-    online_cfg = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
-    offline_cfg = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
-                                    downscale_to_zero_delay_s=2)
+    online_cfg, offline_cfg = ONLINE_AS_DEPLOYED, OFFLINE_AS_DEPLOYED
     state: dict = {}
     offline_targets = []
     for t in range(0, 30):
@@ -272,9 +274,7 @@ def test_a_yield_pending_in_serves_downscale_delay_is_not_cancelled_by_a_pause_i
     monkeypatch.setattr(serve_policy.time, "time", lambda: clock["now"])  # Serve times its delays by the wall clock
     policy = _apply_app_level_autoscaling_config(ElasticPolicy(
         replica_budget=2, calm_s=3, offline_idle_replicas=1, decision_log=str(tmp_path / "d.jsonl")))
-    online_cfg = AutoscalingConfig(min_replicas=1, max_replicas=1, upscale_delay_s=0, downscale_delay_s=60)
-    offline_cfg = AutoscalingConfig(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
-                                    downscale_to_zero_delay_s=2)
+    online_cfg, offline_cfg = ONLINE_AS_DEPLOYED, OFFLINE_AS_DEPLOYED
     state: dict = {}
     offline_target, targets = 1, []
     for t in range(0, 8):

@@ -32,7 +32,7 @@ def test_a_variant_sets_the_online_pools_step_target_and_the_tests_slos(tmp_path
 
 
 def test_medians_skip_a_figure_a_run_lacks():
-    from loadtests.peer import medians
+    from loadtests.summary import medians
 
     runs = [_figures(tpot_p50_ms=90.0), _figures(tpot_p50_ms=110.0, mean_e2e_ms=None), _figures(tpot_p50_ms=200.0)]
     med = medians(runs)
@@ -65,7 +65,7 @@ def test_no_goodput_on_either_side_is_no_win_and_any_against_none_is():
 
 
 def test_goodput_is_counted_per_second_of_arrivals_not_to_the_last_answer():
-    from loadtests.peer import key_figures
+    from loadtests.summary import key_figures
 
     tier = {"requests": 50, "failures": 5, "ttft_ms": {"p50": 1, "p90": 2}, "tpot_ms": {"p50": 3, "p90": 4},
             "e2e_ms": {"mean": 5}, "slo_attainment": 0.4, "goodput_rps": 0.1, "output_tokens_per_s": 6}

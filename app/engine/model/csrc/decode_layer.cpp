@@ -8,19 +8,11 @@
 // NOTE: at one row a layer's kernels take ~0.8 ms; the ~14 torch calls between them (slices, views,
 // chunk, silu, mul, allocations), each a few microseconds through Python and the dispatcher, were
 // 3-4 ms of a 33 ms step of SmolLM2-135M (30 layers) here.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
-
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& tables, const torch::Tensor& lens, double scale);
-torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         const torch::Tensor& slots, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                         int64_t heads, int64_t kv_heads);
-torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight,
-                           double eps);
 
 // gate_up [T, 2 I] float32 (gate, then up) -> silu(gate) * up [T, I]
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
