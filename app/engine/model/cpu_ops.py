@@ -4,7 +4,7 @@ layer in one call for decode steps (``csrc/decode_layer.cpp``).
 At one row, a layer's kernels take ~0.8 ms on 2 cores, and the ~14 torch calls the Python forward
 makes between them (slices, views, chunk, silu, mul, allocations) took 3-4 ms of a 33 ms step of
 SmolLM2-135M. ``decode_layer`` runs the same kernels in the same order from C++, so a step that
-takes it gives the same logits to the bit (``tests/unit/test_runner_cpu.py``).
+takes it gives the same logits to the bit (``tests/unit/test_cpu_kernels.py``, ``tests/model/test_runner.py``).
 
 It applies where every linear goes through ``linear_bf16w``: bfloat16 weights on a CPU without
 native bfloat16 and at most ``BF16W_ROWS`` rows, a plain Llama layer (fused q-k-v and gate-up, SiLU,
@@ -55,7 +55,7 @@ def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
 
     rope_store = cpu_kernels.rope_store_op() if any(fused_qkv) else None
     silu = plain_mlp and all(type(layer.mlp.act_fn) is torch.nn.SiLU for layer in layers)
-    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w and rope_store else None
+    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w and rope_store and silu else None
     return CpuOps(paged_decode=cpu_kernels.paged_decode_op(), rope_store=rope_store,
                   add_rms_norm=cpu_kernels.add_rms_norm_op(), silu_mul=cpu_kernels.silu_mul_op() if silu else None,
                   decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights)
@@ -63,11 +63,12 @@ def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
 
 def decode_layer_weights(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
                          rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]]) -> list[LayerWeights] | None:
-    """Each layer's arguments to ``decode_layer``, or None unless every layer is one it runs."""
+    """Each layer's arguments to ``decode_layer``, or None unless every layer is one it runs (its
+    activation, SiLU, is checked once for all layers by ``cpu_ops``)."""
     weights: list[LayerWeights] = []
     for layer, qkv, gate_up in zip(layers, fused_qkv, fused_gate_up):
         attn, mlp = layer.self_attn, layer.mlp
-        if qkv is None or gate_up is None or hasattr(attn, "q_norm") or type(getattr(mlp, "act_fn", None)) is not torch.nn.SiLU:
+        if qkv is None or gate_up is None or hasattr(attn, "q_norm"):
             return None
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
         if any(type(m) is not torch.nn.Linear or m.bias is not None or m.weight.dtype != torch.bfloat16
