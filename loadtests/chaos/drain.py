@@ -58,9 +58,20 @@ def _stream(url: str, headers: dict, body: dict, out: dict, first: threading.Eve
 RESETS = ("ReadError", "RemoteProtocolError")  # the connection closed with no answer
 
 
+CLEAN = ("200", "503+retry", "429+retry", "refused")
+
+
+def probe_outcome(response: httpx.Response) -> str:
+    """``503+retry`` (the drain) or ``429+retry`` (the engine shedding a backlog a previous
+    scenario left) where the refusal names a Retry-After, else the status code."""
+    if response.status_code in (429, 503) and response.headers.get("retry-after"):
+        return f"{response.status_code}+retry"
+    return str(response.status_code)
+
+
 def _probe(url: str, headers: dict, model: str) -> str:
-    """One new request during the drain: ``200``, ``503+retry`` (503 with Retry-After), ``refused``
-    (nothing listens any more) or what else came back."""
+    """One new request during the drain: ``probe_outcome``, ``refused`` (nothing listens any
+    more) or the error that ended it."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     try:
         response = httpx.post(f"{url}/v1/chat/completions", headers=headers, json=body, timeout=60)
@@ -68,19 +79,17 @@ def _probe(url: str, headers: dict, model: str) -> str:
         return "refused"
     except httpx.HTTPError as exc:
         return type(exc).__name__
-    if response.status_code == 503 and response.headers.get("retry-after"):
-        return "503+retry"
-    return str(response.status_code)
+    return probe_outcome(response)
 
 
 def unclean_probes(probes: list[str]) -> tuple[list[str], int]:
-    """The drain's probes, in the order sent, that got neither an answer, a 503 with Retry-After nor a
-    refused connection; and 1 if the last one that reached the service was reset as it stopped.
+    """The drain's probes, in the order sent, that got neither an answer, a refusal with Retry-After
+    nor a refused connection; and 1 if the last one that reached the service was reset as it stopped.
 
     NOTE: that reset is counted apart. Serve's proxy stops last and is killed (``ProxyActor.shutdown``
     does nothing in Ray 2.60): a request it took after the app's replicas began to stop waits for
     them, then is reset when the proxy dies. A reset while the drain went on is unclean."""
-    unclean = [p for p in probes if p not in ("200", "503+retry", "refused")]
+    unclean = [p for p in probes if p not in CLEAN]
     answers = [p for p in probes if p != "refused"]
     at_exit = int(bool(answers) and answers[-1] in RESETS)
     return unclean[:len(unclean) - at_exit], at_exit
@@ -128,7 +137,7 @@ def drain(service, url: str, key: str, model: str, streams: int = 4, max_tokens:
     streamed = [out.get("outcome", "hung") for out in outs]
     unclean, at_exit = unclean_probes(probes)
     return {"sent": streams + len(probes), "answered": streamed.count("answered") + counts.get("200", 0),
-            "clean_error": counts.get("503+retry", 0), "hung": streamed.count("hung"),
+            "clean_error": counts.get("503+retry", 0) + counts.get("429+retry", 0), "hung": streamed.count("hung"),
             "broken": sum(o not in ("answered", "hung") for o in streamed) + len(unclean) + int(code is None) + len(left),
             "recovery_s": None, "health_ok_after_s": None, "probes": counts, "reset_at_exit": at_exit,
             "probe_trace": trace, "streams": streamed,

@@ -18,14 +18,18 @@ def test_chaos_small(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
     report = tmp_path / "report"
-    scenarios = ["hostile_input", "fuzz", "tenants", "disconnect_storm", "engine_kill", "forward_error", "redeploy", "batch",
+    # NOTE: the batch before the load scenarios: after them the offline pool is yielded to online and grows back only
+    # once online has been calm for calm_s, a minute the batch would spend waiting for it
+    scenarios = ["hostile_input", "fuzz", "tenants", "batch", "disconnect_storm", "engine_kill", "forward_error", "redeploy",
                  "drain"]
     # NOTE: online load only: under a fault the autoscaler yields the offline pool to online, and the
     # flex answers, waiting for it to come back, would add a minute to each load scenario
     summary = run_chaos(report, scenarios, rate=0.5, duration_s=16, inject_s=8, storm_streams=40, fuzz_examples=3,
                         flex_share=0.0)
     rows = {r["scenario"]: r for r in summary["scenarios"]}
-    failed = [r for r in summary["scenarios"] if r["hung"] or r["broken"]]  # the whole rows of those that failed
+    # the rows of those that failed, less their traces (a drain's probe trace alone can fill the message)
+    failed = [{k: v for k, v in r.items() if not k.endswith("trace") and k != "progress"} for r in summary["scenarios"]
+              if r["hung"] or r["broken"]]
     assert summary["hung"] == 0 and summary["broken"] == 0, json.dumps(failed, indent=1)[:6000]
     hostile = rows["hostile_input"]
     assert hostile["server_errors"] == 0 and hostile["clean_error"] == hostile["sent"]

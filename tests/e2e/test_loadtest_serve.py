@@ -32,9 +32,14 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
     tiers = summary["tiers"]
     assert set(tiers) == {"online", "flex"} and summary["rate"] == 0.5 and summary["duration_s"] >= 15
     assert tiers["online"]["requests"] + tiers["flex"]["requests"] == len(records) >= 3
+    # the online engine may shed a request whose first token it expects past max_queue_delay_ms (Locust, Ray, both
+    # pools and the predictor share the cores: a slow machine slows its steps): a clean 429 with Retry-After, in
+    # OpenAI's shape, and the summary counts it; nothing else may fail
+    refused = [r for r in records if r["error"]]
+    assert all(r["error"].startswith('HTTP 429: {"error":') and r.get("retry_after") for r in refused), refused
+    assert sum(t["failures"] for t in tiers.values()) == len(refused) <= len(records) // 3, refused
     for name, t in tiers.items():
-        assert t["failures"] == 0, [r["error"] for r in records if r["error"]]
-        if not t["requests"]:
+        if t["requests"] == t["failures"]:
             continue
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             q = t[key]
@@ -43,7 +48,7 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
         assert 0 <= t["slo_attainment"] <= 1 and 0 <= t["goodput_rps"] <= t["requests"] / summary["duration_s"] + 1e-3  # rounded
         assert t["output_tokens_per_s"] > 0
     # every answered request got exactly its max_tokens (ignore_eos, the benchmark convention)
-    assert all(r["output_tokens"] == r["max_tokens"] <= 32 for r in records)
+    assert all(r["output_tokens"] == r["max_tokens"] <= 32 for r in records if not r["error"])
     health = [json.loads(line) for line in (report / "health.jsonl").read_text().splitlines()]
     assert health and all(h["replicas"]["online"] >= 1 for h in health)
     for name in ("report.html", "latency_cdf.png", "over_time.png", "locust.html", "locust_stats.csv"):
