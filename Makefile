@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
+.PHONY: install prepare prepare-tests serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ install: $(STAMP)
 prepare: install
 	$(VENV)/bin/foreserve prepare
 
+# What the tests need prepared: the model, traces and kernels. Not the first predictor (about 5 min
+# of training on 2 cores): the tests train, register and load predictors of their own, in data dirs
+# of their own; where `make serve` has trained it, it stays.
+prepare-tests: install
+	$(VENV)/bin/foreserve prepare --no-predictor
+
 serve: prepare
 	$(VENV)/bin/foreserve serve
 
@@ -38,8 +44,8 @@ run: serve
 # all four: unit and model side by side (neither starts Ray or a server, and each is one pytest
 # process that leaves a core idle much of the time; --output-sync prints each tier's output whole
 # when it ends), then e2e and multinode alone, as their Ray clusters need the machine.
-TIER_PREPARE := $(if $(PREPARED),install,prepare)
-test: prepare
+TIER_PREPARE := $(if $(PREPARED),install,prepare-tests)
+test: prepare-tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-model PREPARED=1
 	$(MAKE) --no-print-directory test-e2e PREPARED=1
 	$(MAKE) --no-print-directory test-multinode PREPARED=1

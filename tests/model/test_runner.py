@@ -306,14 +306,18 @@ def test_bfloat16_weights_match_generate_on_the_same_weights(bf16_runner, prompt
 
 
 @pytest.mark.model
-def test_bfloat16_decode_rows_either_side_of_the_kernel_give_the_same_answers(bf16_runner, prompts, same_weights_model):
-    """18 sequences: without native bfloat16, steps of up to 18 decode rows run oneDNN's float32
-    copy of the bfloat16 weights, smaller ones foreserve's bfloat16 kernel (BF16W_ROWS); every answer
-    is the one it gives alone. With native bfloat16 every step runs oneDNN's bfloat16 kernels, whose
-    rows are rounded to bfloat16: every answer is the one it gives alone up to a near-tie."""
-    from app.engine.model.cpu_linear import BF16W_ROWS, native_bf16
+def test_bfloat16_decode_rows_either_side_of_the_kernel_give_the_same_answers(bf16_runner, prompts, same_weights_model,
+                                                                              monkeypatch):
+    """18 sequences, with BF16W_ROWS at 8 for the test: without native bfloat16, steps of 9 to 18
+    decode rows run oneDNN's float32 copy of the bfloat16 weights, steps of 2 to 8 foreserve's
+    kernel on the packed panels, steps of 1 its dot products; every answer is the one it gives
+    alone. With native bfloat16 every step runs oneDNN's bfloat16 kernels, whose rows are rounded to
+    bfloat16: every answer is the one it gives alone up to a near-tie."""
+    from app.engine.model import cpu_linear, cpu_ops
+    from app.engine.model.cpu_linear import native_bf16
 
-    assert BF16W_ROWS < 18
+    monkeypatch.setattr(cpu_linear, "BF16W_ROWS", 8)
+    monkeypatch.setattr(cpu_ops, "BF16W_ROWS", 8)
     alone = [play_engine(bf16_runner, [Seq("x", p, GREEDY)])["x"] for p in prompts]
     seqs = [Seq(f"{i}-{k}", prompts[i], GREEDY, start_step=k) for k in range(6) for i in range(3)]
     out = play_engine(bf16_runner, seqs)

@@ -112,11 +112,12 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 1536, 576), (3, 7, 9), (4, 576, 962), (5, 64, 7), (6, 33, 5),
-                                   (7, 1536, 10), (16, 96, 13), (33, 64, 40)])
+                                   (7, 1536, 10), (13, 96, 48), (16, 96, 13), (33, 64, 40)])
 def test_bf16_linear_equals_float64_product(op, m, k, n):
     """x [m, k] float32 times bfloat16 w [n, k]: the product of the exact values, to float32's
-    rounding, for sizes on and off the kernel's tiles (4 outputs by 1-2 rows, 2 outputs by 3-4
-    rows; 16 elements) and the outputs and rows left over."""
+    rounding, for sizes on and off the kernels' tiles (dot products: 4 outputs by 1-2 rows, 2 outputs
+    by 3-4 rows, 16 elements; packed panels: 16 outputs by 6 rows, pairs of elements) and the
+    outputs and rows left over."""
     lin = bf16_linear_op()
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(m, k, generator=g)
@@ -127,6 +128,17 @@ def test_bf16_linear_equals_float64_product(op, m, k, n):
     torch.testing.assert_close(lin(x, w, b).double(), want + b.double(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="float32 x and bfloat16 w"):
         lin(x, w.float(), None)
+    if k % 2 == 0:  # the packed panels (pairs of k): more than one row runs them
+        from app.engine.model.cpu_kernels import bf16_pack_op
+
+        packed = bf16_pack_op()(w)
+        torch.testing.assert_close(lin(x, w, None, packed).double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(lin(x, w, b, packed).double(), want + b.double(), rtol=1e-5, atol=1e-4)
+    else:
+        from app.engine.model.cpu_kernels import bf16_pack_op
+
+        with pytest.raises(RuntimeError, match="k even"):
+            bf16_pack_op()(w)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -184,9 +196,10 @@ def test_silu_mul_equals_torch(op):
         silu_mul(gate_up[:, 1:])
 
 
+@pytest.mark.parametrize("packed", [False, True])  # the weights' packed panels, which 3 rows run on
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("first", [True, False])  # the first layer has no delta to add
-def test_decode_layer_equals_its_kernels_one_by_one(op, rows, first):
+def test_decode_layer_equals_its_kernels_one_by_one(op, rows, first, packed):
     """The layer in one call runs the kernels the runner's Python forward calls, in that order: the
     same residual stream, K/V pool and output, bit for bit."""
     from app.engine.model import cpu_kernels as k
@@ -210,15 +223,17 @@ def test_decode_layer_equals_its_kernels_one_by_one(op, rows, first):
     pools = [torch.randn(6, BLOCK, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
     args = (cos, sin, slots)
 
+    ps = [k.bf16_pack_op()(w) for w in ws] if packed else [None] * 4
+    lin = k.bf16_linear_op()
     h1, k1, v1 = h.clone(), pools[0].clone(), pools[1].clone()
     x = k.add_rms_norm_op()(h1, delta, norms[0], 1e-5)
-    qk = k.rope_store_op()(k.bf16_linear_op()(x, ws[0], None), *args, k1, v1, heads, kv_heads)
+    qk = k.rope_store_op()(lin(x, ws[0], None, ps[0]), *args, k1, v1, heads, kv_heads)
     o = op(qk[:, :heads].contiguous(), k1, v1, tables, lens, 0.125)
-    x = k.add_rms_norm_op()(h1, k.bf16_linear_op()(o.view(rows, -1), ws[1], None), norms[1], 1e-5)
-    want = k.bf16_linear_op()(k.silu_mul_op()(k.bf16_linear_op()(x, ws[2], None)), ws[3], None)
+    x = k.add_rms_norm_op()(h1, lin(o.view(rows, -1), ws[1], None, ps[1]), norms[1], 1e-5)
+    want = lin(k.silu_mul_op()(lin(x, ws[2], None, ps[2])), ws[3], None, ps[3])
 
     h2, k2, v2 = h.clone(), pools[0].clone(), pools[1].clone()
     got = k.decode_layer_op()(h2, delta, norms[0], ws[0], ws[1], norms[1], ws[2], ws[3], 1e-5, *args, k2, v2,
-                              tables, lens, heads, kv_heads, 0.125)
+                              tables, lens, heads, kv_heads, 0.125, ps if packed else [])
     assert torch.equal(got, want) and torch.equal(h2, h1) and torch.equal(k2, k1) and torch.equal(v2, v1)
     assert not torch.equal(h2, h)  # the residual stream was updated in place

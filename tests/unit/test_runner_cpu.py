@@ -96,13 +96,14 @@ def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
         on_short_lived_thread(broken)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64])  # either side of BF16W_ROWS
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17, 96, 97])  # the kernel's tiles of 6 rows, either side of BF16W_ROWS
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
-    """bfloat16 weights, float32 rows: the kernel (few rows) and oneDNN's float32 copy (more rows)
-    both give the float32 product with the bfloat16-rounded weights. On a CPU with native bfloat16
+    """bfloat16 weights, float32 rows: the kernels (one row: dot products; more: the packed panels)
+    and oneDNN's float32 copy (more than BF16W_ROWS rows) all give the float32 product with the
+    bfloat16-rounded weights. On a CPU with native bfloat16
     both are oneDNN's bfloat16 kernel instead, whose rows go in and come out rounded to bfloat16."""
-    from app.engine.model.cpu_kernels import bf16_linear_op
+    from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
     from app.engine.model.cpu_linear import fast_linear, linear, native_bf16
 
     torch.manual_seed(rows)
@@ -110,8 +111,8 @@ def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
     x = torch.randn(rows, 100)
     want = torch.nn.functional.linear(x.double(), module.weight.double(),
                                       None if module.bias is None else module.bias.double())
-    fast = fast_linear(module, bf16_linear_op())
-    assert fast is not None
+    fast = fast_linear(module, bf16_linear_op(), bf16_pack_op())
+    assert fast is not None and (native_bf16() or fast.packed is not None)
     exact = {"rtol": 2e-2, "atol": 5e-2} if native_bf16() else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(linear(module, x, fast).double(), want, **exact)
     torch.testing.assert_close(linear(module, x).double(), want, rtol=2e-2, atol=5e-2)  # plain: bf16 math

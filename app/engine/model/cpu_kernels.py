@@ -1,6 +1,6 @@
 """foreserve's own CPU kernels: decode attention straight from the paged KV pool
-(``csrc/paged_decode.cpp``), a linear layer with bfloat16 weights for few rows (``csrc/bf16_linear.cpp``)
-RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``), the residual add with
+(``csrc/paged_decode.cpp``), a linear layer with bfloat16 weights for few rows (``csrc/bf16_linear.cpp``,
+and ``csrc/bf16_packed.cpp`` on the weights packed in panels), RoPE with the store of a step's K/V into the pool (``csrc/rope_store.cpp``), the residual add with
 the RMSNorm after it (``csrc/rms_norm.cpp``), and SiLU(gate) * up and a whole decoder layer of a
 decode step in one call (``csrc/decode_layer.cpp``).
 
@@ -28,8 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("module.cpp", "paged_decode.cpp", "bf16_linear.cpp", "rope_store.cpp", "rms_norm.cpp",
-                        "decode_layer.cpp")]
+           for name in ("module.cpp", "paged_decode.cpp", "bf16_linear.cpp", "bf16_packed.cpp", "rope_store.cpp",
+                        "rms_norm.cpp", "decode_layer.cpp")]
 # NOTE: -ffast-math lets GCC vectorize the softmax's exp (glibc's libmvec); finite math stays off, so
 # the -inf/FLT_MAX logic keeps its meaning. No -fopenmp at link time: at::parallel_for resolves to
 # torch's own libgomp, the one OpenMP runtime (and thread team) of the process.
@@ -38,7 +38,7 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-LinearBF16W = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearBF16W = Callable[..., torch.Tensor]
 
 
 def cpu_tag() -> str:
@@ -71,10 +71,18 @@ def paged_decode_op() -> PagedDecode | None:
 
 
 def bf16_linear_op() -> LinearBF16W | None:
-    """``linear_bf16w(x [m, k] float32, w [n, k] bfloat16, bias [n] | None) -> [m, n] float32`` on
-    the CPU, products and sums in float32; None where the kernels cannot be built."""
+    """``linear_bf16w(x [m, k] float32, w [n, k] bfloat16, bias [n] | None = None, packed = None)
+    -> [m, n] float32`` on the CPU, products and sums in float32 (``packed``: ``pack_bf16w(w)``,
+    which more than one row runs on); None where the kernels cannot be built."""
     module = _module()
     return None if module is None else module.linear_bf16w
+
+
+def bf16_pack_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``pack_bf16w(w [n, k] bfloat16) -> packed`` (``csrc/bf16_packed.cpp``): the weights in panels
+    of 16 output features for ``linear_bf16w``; None where the kernels cannot be built."""
+    module = _module()
+    return None if module is None else module.pack_bf16w
 
 
 def rope_store_op() -> Callable | None:
@@ -101,7 +109,8 @@ def silu_mul_op() -> Callable | None:
 
 def decode_layer_op() -> Callable | None:
     """``decode_layer(h, delta, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, eps, cos, sin,
-    slots, k_pool, v_pool, tables, lens, heads, kv_heads, scale) -> delta`` (``csrc/decode_layer.cpp``):
+    slots, k_pool, v_pool, tables, lens, heads, kv_heads, scale, packed=[]) -> delta`` (``csrc/decode_layer.cpp``;
+    ``packed``: the four weights' ``pack_bf16w``):
     one Llama layer of a decode step, bfloat16 weights, ``h`` updated in place; None where the
     kernels cannot be built."""
     module = _module()

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 # here: 1.8x faster at batch 2-4, 1.15x at 8-32, even at 128; prefill chunks of 256+ rows lose.
 SKINNY_ROWS = 128
 # Up to this many rows, bfloat16 weights on a CPU without native bfloat16 go through foreserve's
-# kernel (``csrc/bf16_linear.cpp``: half the weight bytes of float32). All linears of SmolLM2-135M,
-# 2 threads, AVX2, against oneDNN's prepacked float32: 2.4x faster at 1 row, 1.5x at 8, 1.1x at 16,
-# level at 32, 0.8x at 64.
-BF16W_ROWS = 16
+# kernels (``csrc/bf16_linear.cpp`` at 1 row, ``csrc/bf16_packed.cpp`` for more: half the weight bytes
+# of float32, widened in registers). All linears of SmolLM2-135M's layers, 2 threads, AMD EPYC (Zen 3,
+# AVX2), against oneDNN's prepacked float32: 2.1x faster at 1-2 rows, 1.3-1.5x at 8-48, 1.2x at 64
+# and 96, level at 128, 0.6x at 512 (docs/engine.md).
+BF16W_ROWS = 96
 
 FastLinear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -100,18 +101,35 @@ def prepack(module: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None) -> FastLinear | None:
+class BF16Linear:
+    """A linear with bfloat16 weights on a CPU without native bfloat16: up to ``BF16W_ROWS`` rows,
+    foreserve's kernel (``linear_bf16w``: the weights as stored for 1 row, their packed panels,
+    ``packed``, for more); more rows, oneDNN's float32 prepacked copy of the same bfloat16-rounded
+    values (``dense``), so the answer does not depend on which path a step took beyond float32's
+    summation order. Two more copies of the weights in memory: the packed panels (as many bytes as
+    the weights) and the float32 copy (twice as many)."""
+
+    def __init__(self, op: Callable, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
+                 dense: FastLinear) -> None:
+        self.op, self.weight, self.packed, self.bias, self.dense = op, weight, packed, bias, dense
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= BF16W_ROWS:
+            return self.op(x, self.weight, self.bias, self.packed)
+        return self.dense(x)
+
+
+def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None,
+                bf16_pack: Callable | None = None) -> FastLinear | None:
     """The fastest way to apply a plain CPU ``nn.Linear`` to float32 rows, as a function of them; None
     where there is none better than ``linear``'s plain path (e.g. a TP layer, or oneDNN missing).
 
     - float32 weights: oneDNN's prepacked copy.
     - bfloat16 weights, native bfloat16: oneDNN's bfloat16 prepacked copy (rows cast to bfloat16,
       the result back to float32).
-    - bfloat16 weights elsewhere (AVX2): up to ``BF16W_ROWS`` rows, ``bf16_op`` (foreserve's
-      kernel: the bfloat16 weights widened in registers, float32 products and sums); more rows,
-      oneDNN's float32 prepacked copy of the same bfloat16-rounded values, so the answer does not
-      depend on which path a step took beyond float32's summation order. One more copy of the
-      linear weights in memory (1.5x of float32 weights alone)."""
+    - bfloat16 weights elsewhere (AVX2): a ``BF16Linear`` over ``bf16_op`` (foreserve's kernel:
+      the bfloat16 weights widened in registers, float32 products and sums) and, where given,
+      ``bf16_pack``'s packed panels of the weights for more than one row."""
     if not _plain_cpu_linear(module):
         return None
     w, bias = module.weight, module.bias
@@ -125,10 +143,9 @@ def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None) -> Fas
     bias32 = None if bias is None else bias.detach().float()
     w32 = w.detach().float()
     packed32 = _pack(w32, bias32)
-    if packed32 is None:
-        return lambda x: bf16_op(x, w, bias32) if x.shape[0] <= BF16W_ROWS else F.linear(x, w32, bias32)
-    return lambda x: (bf16_op(x, w, bias32) if x.shape[0] <= BF16W_ROWS
-                      else onednn_linear(x, packed32, bias32))
+    dense = (lambda x: F.linear(x, w32, bias32)) if packed32 is None else (lambda x: onednn_linear(x, packed32, bias32))
+    packed_w = bf16_pack(w.detach()) if bf16_pack is not None and w.shape[1] % 2 == 0 else None  # pairs of k
+    return BF16Linear(bf16_op, w.detach(), packed_w, bias32, dense)
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, fast: FastLinear | torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +198,7 @@ def fuse_rows(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
 
 
 def pack_layers(layers: list[torch.nn.Module], lm_head: torch.nn.Module, plain_mlp: bool,
-                bf16_op: Callable | None = None) -> tuple[dict[torch.nn.Module, FastLinear],
+                bf16_op: Callable | None = None, bf16_pack: Callable | None = None) -> tuple[dict[torch.nn.Module, FastLinear],
                                                           list[torch.nn.Linear | None], list[torch.nn.Linear | None]]:
     """A Llama model's linears made fast: per layer q, k, v fused into one linear, and gate, up when
     the MLP is the plain gated one (``fuse_rows``; None where they cannot be); then ``fast_linear``
@@ -202,7 +219,7 @@ def pack_layers(layers: list[torch.nn.Module], lm_head: torch.nn.Module, plain_m
         fused_qkv.append(qkv)
         fused_gate_up.append(gate_up)
     modules.append(lm_head)
-    fast = {m: f for m in modules if (f := fast_linear(m, bf16_op)) is not None}
+    fast = {m: f for m in modules if (f := fast_linear(m, bf16_op, bf16_pack)) is not None}
     return fast, fused_qkv, fused_gate_up
 
 

@@ -46,11 +46,14 @@ class CpuOps:
     silu_mul: Callable | None = None  # SiLU(gate) * up of the fused gate-up output
     decode_layer: Callable | None = None  # a whole layer of a decode step...
     layer_weights: list[LayerWeights] | None = None  # ...and its arguments, by layer
+    layer_packed: list[list[torch.Tensor]] | None = None  # ...and its linears' packed panels (or none), by layer
 
 
 def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list, plain_mlp: bool,
-            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w: bool) -> CpuOps:
-    """The ops for these layers (``bf16w``: the linears run ``linear_bf16w`` at few rows)."""
+            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w: bool,
+            fast: dict[torch.nn.Module, Callable] | None = None) -> CpuOps:
+    """The ops for these layers (``bf16w``: the linears run ``linear_bf16w`` at few rows; ``fast``:
+    ``pack_layers``' functions by module, whose ``BF16Linear``s hold the packed panels)."""
     from app.engine.model import cpu_kernels
 
     rope_store = cpu_kernels.rope_store_op() if any(fused_qkv) else None
@@ -58,7 +61,19 @@ def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
     weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w and rope_store and silu else None
     return CpuOps(paged_decode=cpu_kernels.paged_decode_op(), rope_store=rope_store,
                   add_rms_norm=cpu_kernels.add_rms_norm_op(), silu_mul=cpu_kernels.silu_mul_op() if silu else None,
-                  decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights)
+                  decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights,
+                  layer_packed=None if weights is None else layer_packed(layers, fused_qkv, fused_gate_up, fast or {}))
+
+
+def layer_packed(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
+                 fast: dict[torch.nn.Module, Callable]) -> list[list[torch.Tensor]]:
+    """Per layer, the packed panels of its four linears (q-k-v, o, gate-up, down) for ``decode_layer``,
+    or none (its linears then take the dot-product kernel at every row count)."""
+    out = []
+    for layer, qkv, gate_up in zip(layers, fused_qkv, fused_gate_up):
+        packed = [getattr(fast.get(m), "packed", None) for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)]
+        out.append(packed if all(p is not None for p in packed) else [])
+    return out
 
 
 def decode_layer_weights(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,

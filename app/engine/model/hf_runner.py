@@ -95,14 +95,14 @@ class HFRunner(Runner):
         self.packed: dict[torch.nn.Module, FastLinear] = {}
         self.fused_qkv: list[torch.nn.Linear | None] = [None] * len(self.layers)
         self.fused_gate_up: list[torch.nn.Linear | None] = [None] * len(self.layers)
-        bf16_op = None
+        bf16_op = bf16_pack = None
         if config.cpu_prepacked_linears:
             if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not native_bf16():
-                from app.engine.model.cpu_kernels import bf16_linear_op
+                from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
 
-                bf16_op = bf16_linear_op()
+                bf16_op, bf16_pack = bf16_linear_op(), bf16_pack_op()
             self.packed, self.fused_qkv, self.fused_gate_up = pack_layers(
-                self.layers, self.lm_head, self.plain_mlp, bf16_op)
+                self.layers, self.lm_head, self.plain_mlp, bf16_op, bf16_pack)
             steps, sampled = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
             warm_up(self.packed, lambda m: sampled if m is self.lm_head else steps)
         attn = self.layers[0].self_attn
@@ -127,7 +127,7 @@ class HFRunner(Runner):
         if config.cpu_paged_attention and self.device.type == "cpu" and self.act_dtype == torch.float32 \
                 and self.kv_dtype in (torch.float32, torch.bfloat16):
             self.ops = cpu_ops(self.layers, self.fused_qkv, self.fused_gate_up, self.plain_mlp, self._rms_params,
-                               bf16w=bf16_op is not None)
+                               bf16w=bf16_op is not None, fast=self.packed)
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -177,8 +177,8 @@ class HFRunner(Runner):
         for i, layer in enumerate(self.layers):
             if fused and (i != last or fused_last):
                 delta = self.ops.decode_layer(h, delta, *self.ops.layer_weights[i], cos, sin, step.slots, self.k_cache[i],
-                                          self.v_cache[i], step.decode_tables, step.decode_lens, self.num_heads,
-                                          self.num_kv_heads, self.scale)
+                                              self.v_cache[i], step.decode_tables, step.decode_lens, self.num_heads,
+                                              self.num_kv_heads, self.scale, self.ops.layer_packed[i])
                 continue
             attn = layer.self_attn
             h, x = self._add_norm(layer.input_layernorm, h, delta)

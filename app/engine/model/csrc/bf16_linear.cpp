@@ -1,4 +1,5 @@
-// A linear layer with bfloat16 weights and float32 activations, for the few rows of a decode step.
+// A linear layer with bfloat16 weights and float32 activations, for the one or two rows of a decode
+// step (more rows: ``bf16_packed.cpp``).
 //
 // With few rows a linear layer is bound by the bytes of its weights: each weight is used once per
 // row. Stored in bfloat16, they are half the bytes of float32; widened to float32 in registers
@@ -120,7 +121,7 @@ void run(const float* x, const float* xe, const float* xo, int64_t k2, const uin
 }  // namespace
 
 // x [m, k] float32; w [n, k] bfloat16; bias [n] float32 or None -> [m, n] float32
-torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16w: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,

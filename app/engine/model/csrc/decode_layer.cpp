@@ -2,8 +2,8 @@
 // residual add and RMSNorm, the fused q-k-v projection, RoPE with the K/V store, paged attention,
 // the output projection, the second add and norm, the fused gate-up projection, SiLU(gate) * up and
 // the down projection. bfloat16 weights through ``linear_bf16w`` (the CPUs without native bfloat16,
-// few rows); the same kernels the runner's Python forward calls one by one, so the answer is the
-// same to the bit.
+// few rows; ``packed``: the four weights' ``pack_bf16w``, or none); the same kernels the runner's
+// Python forward calls one by one, so the answer is the same to the bit.
 //
 // NOTE: at one row a layer's kernels take ~0.8 ms; the ~14 torch calls between them (slices, views,
 // chunk, silu, mul, allocations), each a few microseconds through Python and the dispatcher, were
@@ -44,13 +44,18 @@ torch::Tensor decode_layer(torch::Tensor& h, const c10::optional<torch::Tensor>&
                            const torch::Tensor& gate_up_w, const torch::Tensor& down_w, double eps,
                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
                            const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& tables,
-                           const torch::Tensor& lens, int64_t heads, int64_t kv_heads, double scale) {
+                           const torch::Tensor& lens, int64_t heads, int64_t kv_heads, double scale,
+                           const std::vector<torch::Tensor>& packed) {
   const int64_t T = h.size(0), dim = k_pool.size(3);
   TORCH_CHECK(tables.size(0) == T, "decode_layer: every row is a decode row");
+  TORCH_CHECK(packed.empty() || packed.size() == 4, "decode_layer: packed holds the 4 weights' pack_bf16w, or none");
   const c10::optional<torch::Tensor> none;
+  auto lin = [&](const torch::Tensor& x, const torch::Tensor& w, size_t i) {
+    return linear_bf16w(x, w, none, packed.empty() ? none : c10::optional<torch::Tensor>(packed[i]));
+  };
   auto x = add_rms_norm(h, delta, input_norm, eps);
-  auto qk = rope_store(linear_bf16w(x, qkv_w, none), cos, sin, slots, k_pool, v_pool, heads, kv_heads);
+  auto qk = rope_store(lin(x, qkv_w, 0), cos, sin, slots, k_pool, v_pool, heads, kv_heads);
   auto attn = paged_decode(qk.narrow(1, 0, heads).contiguous(), k_pool, v_pool, tables, lens, scale);
-  x = add_rms_norm(h, linear_bf16w(attn.view({T, heads * dim}), o_w, none), post_norm, eps);
-  return linear_bf16w(silu_mul(linear_bf16w(x, gate_up_w, none)), down_w, none);
+  x = add_rms_norm(h, lin(attn.view({T, heads * dim}), o_w, 1), post_norm, eps);
+  return lin(silu_mul(lin(x, gate_up_w, 2)), down_w, 3);
 }
