@@ -7,9 +7,10 @@
 // bfloat16 path of CPUs without native bfloat16 instructions (AVX2): oneDNN's bfloat16 kernels
 // need AVX512-BF16, AVX-NE-CONVERT or AMX.
 //
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]). Threads split the output features; each task
-// walks a block of weight rows (4 for 1-2 rows of x, else 2) against up to 2 or 4 rows of x at a
-// time, so a block of weights is widened once per tile of rows and stays in L1 for the next tile.
+// y[m, n] = sum_k x[m, k] * w[n, k] (``linear_bf16w`` adds the bias). Threads split the output
+// features; each task walks a block of weight rows (4 for 1-2 rows of x, else 2) against up to 2 or
+// 4 rows of x at a time, so a block of weights is widened once per tile of rows and stays in L1 for
+// the next tile.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -120,8 +121,8 @@ void run(const float* x, const float* xe, const float* xo, int64_t k2, const uin
 
 }  // namespace
 
-// x [m, k] float32; w [n, k] bfloat16; bias [n] float32 or None -> [m, n] float32
-torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+// x [m, k] float32; w [n, k] bfloat16 -> [m, n] float32
+torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16w: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
@@ -149,9 +150,5 @@ torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w, c
     run<4, 2>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n);
   else
     run<2, 4>(x_p, xe.data(), xo.data(), k2, w_p, y_p, m, k, n);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear_bf16w: bias of n elements");
-    y.add_(bias->to(at::kFloat).view({1, n}));
-  }
   return y;
 }

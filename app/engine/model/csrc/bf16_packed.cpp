@@ -13,7 +13,8 @@
 // at ~120 GFLOP/s at 16-48 rows, 1.5-1.75x the dot products (docs/engine.md).
 //
 // Packed layout, bfloat16: [ceil(n / 16)][k / 2][16][2] (k even), features past n zeros.
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), products and sums in float32, in k's order.
+// y[m, n] = sum_k x[m, k] * w[n, k], products and sums in float32, in k's order (``linear_bf16w``
+// adds the bias).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -117,9 +118,8 @@ torch::Tensor pack_bf16w(const torch::Tensor& w) {
   return packed;
 }
 
-// x [m, k] float32; packed (``pack_bf16w`` of w [n, k]); bias [n] float32 or None -> [m, n] float32
-torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                           const c10::optional<torch::Tensor>& bias) {
+// x [m, k] float32; packed (``pack_bf16w`` of w [n, k]) -> [m, n] float32
+torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "linear_bf16w_packed: x a contiguous float32 [m, k] CPU tensor");
   const int64_t m = x.size(0), k = x.size(1), panels = (n + PANEL - 1) / PANEL, k2 = k / 2;
@@ -150,19 +150,24 @@ torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& p
       }
     }
   });
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear_bf16w_packed: bias of n elements");
-    y.add_(bias->to(at::kFloat).view({1, n}));
-  }
   return y;
 }
 
 // The rows' kernel: one row (or no packed copy) the dot products of ``linear_bf16w_dot``, bound by the
-// weights' bytes, on the weights as stored; more rows the packed panels.
+// weights' bytes, on the weights as stored; more rows the packed panels. Then the bias, once for both.
 torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                            const c10::optional<torch::Tensor>& packed) {
-  if (!packed.has_value() || !packed->defined() || x.dim() != 2 || x.size(0) <= DOT_ROWS) return linear_bf16w_dot(x, w, bias);
-  TORCH_CHECK(w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_bf16w: float32 x and bfloat16 w only");
-  return linear_bf16w_packed(x, *packed, w.size(0), bias);
+  torch::Tensor y;
+  if (!packed.has_value() || !packed->defined() || x.dim() != 2 || x.size(0) <= DOT_ROWS) {
+    y = linear_bf16w_dot(x, w);
+  } else {
+    TORCH_CHECK(w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_bf16w: float32 x and bfloat16 w only");
+    y = linear_bf16w_packed(x, *packed, w.size(0));
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == y.size(1), "linear_bf16w: bias of n elements");
+    y.add_(bias->to(at::kFloat).view({1, y.size(1)}));
+  }
+  return y;
 }

@@ -5,10 +5,9 @@
 
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& tables, const torch::Tensor& lens, double scale);
-torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor pack_bf16w(const torch::Tensor& w);
-torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                  const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                            const c10::optional<torch::Tensor>& packed);
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
