@@ -237,3 +237,16 @@ def test_decode_layer_equals_its_kernels_one_by_one(op, rows, first, packed):
                               tables, lens, heads, kv_heads, 0.125, ps if packed else [])
     assert torch.equal(got, want) and torch.equal(h2, h1) and torch.equal(k2, k1) and torch.equal(v2, v1)
     assert not torch.equal(h2, h)  # the residual stream was updated in place
+
+
+def test_linear_microbench_times_every_path_it_names(op, capsys):
+    """``python -m loadtests.bench.linear_microbench``: a line per row count, the packed column blank
+    at one row (the dot products run it), and a clear error for a bad row count."""
+    from loadtests.bench.linear_microbench import main
+
+    main(["--rows", "1", "7", "--reps", "1", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "rows" and [line.split()[0] for line in lines[1:]] == ["1", "7"]
+    assert len(lines[1].split()) == 3 and len(lines[2].split()) == 5  # one row: no packed figures
+    with pytest.raises(SystemExit):
+        main(["--rows", "0"])

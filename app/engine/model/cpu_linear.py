@@ -20,8 +20,8 @@ SKINNY_ROWS = 128
 # Up to this many rows, bfloat16 weights on a CPU without native bfloat16 go through foreserve's
 # kernels (``csrc/bf16_linear.cpp`` at 1 row, ``csrc/bf16_packed.cpp`` for more: half the weight bytes
 # of float32, widened in registers). All linears of SmolLM2-135M's layers, 2 threads, AMD EPYC (Zen 3,
-# AVX2), against oneDNN's prepacked float32: 2.1x faster at 1-2 rows, 1.3-1.5x at 8-48, 1.2x at 64
-# and 96, level at 128, 0.6x at 512 (docs/engine.md).
+# AVX2), against oneDNN's prepacked float32, two runs: 1.7-2.7x faster at 1-4 rows, 1.2-1.6x at 8-64,
+# 1.0-1.2x at 96, 0.6-1.0x at 512 (``python -m loadtests.bench.linear_microbench``; docs/engine.md).
 BF16W_ROWS = 96
 
 FastLinear = Callable[[torch.Tensor], torch.Tensor]

@@ -10,7 +10,7 @@
 // Each row's two inputs are broadcast and the products go straight into per-feature accumulators:
 // 6 rows x 16 features, 12 ymm accumulators, no horizontal sums (the GEMM micro-kernel shape of
 // BLIS and oneDNN, with the weights widened in registers). On an AMD EPYC (Zen 3, 2 threads) it runs
-// at ~120 GFLOP/s at 16-48 rows, 1.5-1.75x the dot products (docs/engine.md).
+// at 100-130 GFLOP/s at 4-96 rows, 1.5-2.4x the dot products (loadtests/bench/linear_microbench.py).
 //
 // Packed layout, bfloat16: [ceil(n / 16)][k / 2][16][2] (k even), features past n zeros.
 // y[m, n] = sum_k x[m, k] * w[n, k], products and sums in float32, in k's order (``linear_bf16w``
