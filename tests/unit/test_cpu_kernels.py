@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
@@ -98,6 +99,39 @@ def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
 def test_cpu_tag_names_the_instruction_set():
     tag = cpu_tag()
     assert tag.startswith(platform.machine()) and tag == cpu_tag() and len(tag.split("-")[-1]) == 10
+
+
+def test_two_checkouts_build_in_folders_of_their_own(monkeypatch, tmp_path):
+    """A build folder shared by two checkouts (a clone beside the working tree) would be rebuilt,
+    minutes on 2 cores, each time the other one had built last."""
+    from app.engine.model import cpu_kernels
+
+    here = cpu_tag()
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [tmp_path / "csrc" / s.name for s in cpu_kernels.SOURCES])
+    assert cpu_tag() != here and cpu_tag().startswith(platform.machine())
+
+
+def test_the_build_runs_this_environments_ninja_first(monkeypatch, tmp_path):
+    """torch's loader runs the first ``ninja`` on PATH; two versions read each other's build log as
+    foreign and rebuild everything, so the build puts the environment's own (pinned) one first,
+    and leaves PATH as it was after."""
+    import shutil
+    import sys
+
+    from app.engine.model import cpu_kernels
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ninja").write_text("#!/bin/sh\necho 1.13.2\n")
+    (fake / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake / "python"))
+    before = os.environ.get("PATH", "")
+    with cpu_kernels._pinned_ninja():
+        assert shutil.which("ninja") == str(fake / "ninja")
+    assert os.environ.get("PATH", "") == before
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # no ninja beside it: PATH as it is
+    with cpu_kernels._pinned_ninja():
+        assert os.environ.get("PATH", "") == before
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):

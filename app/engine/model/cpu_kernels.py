@@ -4,7 +4,7 @@ and ``csrc/bf16_packed.cpp`` on the weights packed in panels), RoPE with the sto
 the RMSNorm after it (``csrc/rms_norm.cpp``), and SiLU(gate) * up and a whole decoder layer of a
 decode step in one call (``csrc/decode_layer.cpp``).
 
-One extension, built on first use with torch's C++ extension loader (g++ and ninja, 93 s here on 2 cores), once per machine
+One extension, built on first use with torch's C++ extension loader (g++ and ninja, about 2.5 min on 2 cores), once per machine
 and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under ``foreserve-<cpu>`` (``-march=native``, so a build is never shared between CPUs with
 different instruction sets), outside any one ``FORESERVE_HOME``, and later processes load it in
@@ -14,6 +14,7 @@ the other ops are None, one warning says why, and the runner keeps torch's paths
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -21,7 +22,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,8 +43,9 @@ LinearBF16W = Callable[..., torch.Tensor]
 
 
 def cpu_tag() -> str:
-    """A short name for this CPU's instruction set (the build uses ``-march=native``), Python and
-    torch (torch's loader does not tell builds for two environments apart)."""
+    """A short name for this CPU's instruction set (the build uses ``-march=native``), Python, torch
+    and this checkout's sources (torch's loader does not tell builds for two environments apart, and
+    two checkouts sharing one folder would rebuild it whenever the other had built last)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -52,7 +54,7 @@ def cpu_tag() -> str:
                 break
     except OSError:
         pass
-    key = f"{flags}|{sys.version_info[:2]}|{torch.__version__}"
+    key = f"{flags}|{sys.version_info[:2]}|{torch.__version__}|{SOURCES[0].parent.resolve()}"
     return f"{platform.machine()}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
@@ -136,7 +138,7 @@ def _build():
         # NOTE: torch's own build lock is a file that a process killed mid-build leaves behind, and
         # every later load would wait on it forever. An flock dies with its process: holding it,
         # no other process builds here, so a leftover torch lock is stale and goes.
-        with open(build_dir / "foreserve.lock", "w") as held:
+        with open(build_dir / "foreserve.lock", "w") as held, _pinned_ninja():
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
             return load(name="foreserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
@@ -144,3 +146,21 @@ def _build():
     except Exception as e:  # noqa: BLE001 - a missing compiler or a failed build only costs speed
         log.warning("CPU kernels could not be built (%s: %s); using torch's paths", type(e).__name__, e)
         return None
+
+
+@contextlib.contextmanager
+def _pinned_ninja() -> Iterator[None]:
+    """The pinned ninja of this environment (requirements.txt), found before any other on ``PATH``
+    while the build runs. torch's loader runs whichever ``ninja`` comes first; two versions keep build
+    logs the other reads as foreign and starts over, so a process with the venv's ``bin`` on its
+    ``PATH`` and one without would each rebuild everything (minutes on 2 cores)."""
+    here = Path(sys.executable).parent
+    if not (here / "ninja").exists():
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{here}{os.pathsep}{path}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path

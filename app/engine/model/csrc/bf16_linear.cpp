@@ -11,8 +11,7 @@
 // features; each task walks a block of weight rows (4 for 1-2 rows of x, else 2) against up to 2 or
 // 4 rows of x at a time, so a block of weights is widened once per tile of rows and stays in L1 for
 // the next tile.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 
 #include <cstdint>
 #include <cstring>
@@ -122,14 +121,14 @@ void run(const float* x, const float* xe, const float* xo, int64_t k2, const uin
 }  // namespace
 
 // x [m, k] float32; w [n, k] bfloat16 -> [m, n] float32
-torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor linear_bf16w_dot(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16w: x [m, k] and w [n, k]");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16w: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
               "linear_bf16w: float32 x and bfloat16 w only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_bf16w: contiguous tensors only");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const float* x_p = x.data_ptr<float>();
   const uint16_t* w_p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());

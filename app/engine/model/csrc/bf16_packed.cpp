@@ -17,7 +17,6 @@
 // adds the bias).
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -100,12 +99,12 @@ inline void micro(const float* x, int64_t k, const uint16_t* p, int64_t k2, floa
 }  // namespace
 
 // w [n, k] bfloat16 -> the packed panels (see above), a flat bfloat16 tensor
-torch::Tensor pack_bf16w(const torch::Tensor& w) {
+at::Tensor pack_bf16w(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.size(1) % 2 == 0,
               "pack_bf16w: a bfloat16 [n, k] CPU tensor, k even");
   const auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1), panels = (n + PANEL - 1) / PANEL, k2 = k / 2;
-  auto packed = torch::zeros({panels * k2 * PANEL * 2}, wc.options());
+  auto packed = at::zeros({panels * k2 * PANEL * 2}, wc.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -119,14 +118,14 @@ torch::Tensor pack_bf16w(const torch::Tensor& w) {
 }
 
 // x [m, k] float32; packed (``pack_bf16w`` of w [n, k]) -> [m, n] float32
-torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "linear_bf16w_packed: x a contiguous float32 [m, k] CPU tensor");
   const int64_t m = x.size(0), k = x.size(1), panels = (n + PANEL - 1) / PANEL, k2 = k / 2;
   TORCH_CHECK(k % 2 == 0, "linear_bf16w_packed: k even");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == panels * k2 * PANEL * 2,
               "linear_bf16w_packed: packed is pack_bf16w of a [n, k] weight");
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -155,9 +154,9 @@ torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& p
 
 // The rows' kernel: one row (or no packed copy) the dot products of ``linear_bf16w_dot``, bound by the
 // weights' bytes, on the weights as stored; more rows the packed panels. Then the bias, once for both.
-torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                           const c10::optional<torch::Tensor>& packed) {
-  torch::Tensor y;
+at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& packed) {
+  at::Tensor y;
   if (!packed.has_value() || !packed->defined() || x.dim() != 2 || x.size(0) <= DOT_ROWS) {
     y = linear_bf16w_dot(x, w);
   } else {

@@ -10,16 +10,15 @@
 // 3-4 ms of a 33 ms step of SmolLM2-135M (30 layers) here.
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
 
 #include <cmath>
 
 // gate_up [T, 2 I] float32 (gate, then up) -> silu(gate) * up [T, I]
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
               gate_up.is_contiguous() && gate_up.device().is_cpu(), "silu_mul: contiguous float32 [T, 2 I] on the CPU");
   const int64_t T = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = torch::empty({T, inner}, gate_up.options());
+  auto out = at::empty({T, inner}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
@@ -39,19 +38,19 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // qkv [(H + 2 KVH) D, hidden], o [hidden, H D], gate_up [2 I, hidden], down [hidden, I] bfloat16,
 // no biases. cos, sin [T, D]; slots [T]; one layer's pools; tables, lens as ``paged_decode``'s.
 // Returns the MLP's output [T, hidden], the next layer's delta.
-torch::Tensor decode_layer(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& input_norm,
-                           const torch::Tensor& qkv_w, const torch::Tensor& o_w, const torch::Tensor& post_norm,
-                           const torch::Tensor& gate_up_w, const torch::Tensor& down_w, double eps,
-                           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
-                           const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& tables,
-                           const torch::Tensor& lens, int64_t heads, int64_t kv_heads, double scale,
-                           const std::vector<torch::Tensor>& packed) {
+at::Tensor decode_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+                        const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
+                        const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                        const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                        const at::Tensor& lens, int64_t heads, int64_t kv_heads, double scale,
+                        const std::vector<at::Tensor>& packed) {
   const int64_t T = h.size(0), dim = k_pool.size(3);
   TORCH_CHECK(tables.size(0) == T, "decode_layer: every row is a decode row");
   TORCH_CHECK(packed.empty() || packed.size() == 4, "decode_layer: packed holds the 4 weights' pack_bf16w, or none");
-  const c10::optional<torch::Tensor> none;
-  auto lin = [&](const torch::Tensor& x, const torch::Tensor& w, size_t i) {
-    return linear_bf16w(x, w, none, packed.empty() ? none : c10::optional<torch::Tensor>(packed[i]));
+  const c10::optional<at::Tensor> none;
+  auto lin = [&](const at::Tensor& x, const at::Tensor& w, size_t i) {
+    return linear_bf16w(x, w, none, packed.empty() ? none : c10::optional<at::Tensor>(packed[i]));
   };
   auto x = add_rms_norm(h, delta, input_norm, eps);
   auto qk = rope_store(lin(x, qkv_w, 0), cos, sin, slots, k_pool, v_pool, heads, kv_heads);

@@ -1,25 +1,33 @@
 // The entry points of foreserve's CPU kernels, one per source file, for module.cpp's bindings and
 // for decode_layer.cpp, which chains them.
+//
+// The kernels include ATen's tensor class and the few operators they call, not torch/extension.h
+// (the whole C++ API and pybind11), which took most of the build: 60 s or more a file here against
+// 10-15 s. module.cpp, which binds them to Python, includes pybind11 with torch's tensor casters.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& tables, const torch::Tensor& lens, double scale);
-torch::Tensor linear_bf16w_dot(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor pack_bf16w(const torch::Tensor& w);
-torch::Tensor linear_bf16w_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
-torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                           const c10::optional<torch::Tensor>& packed);
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         const torch::Tensor& slots, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                         int64_t heads, int64_t kv_heads);
-torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight,
-                           double eps);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-torch::Tensor decode_layer(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& input_norm,
-                           const torch::Tensor& qkv_w, const torch::Tensor& o_w, const torch::Tensor& post_norm,
-                           const torch::Tensor& gate_up_w, const torch::Tensor& down_w, double eps,
-                           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
-                           const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& tables,
-                           const torch::Tensor& lens, int64_t heads, int64_t kv_heads, double scale,
-                           const std::vector<torch::Tensor>& packed);
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale);
+at::Tensor linear_bf16w_dot(const at::Tensor& x, const at::Tensor& w);
+at::Tensor pack_bf16w(const at::Tensor& w);
+at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& packed);
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                      int64_t heads, int64_t kv_heads);
+at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor decode_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+                        const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
+                        const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                        const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                        const at::Tensor& lens, int64_t heads, int64_t kv_heads, double scale,
+                        const std::vector<at::Tensor>& packed);

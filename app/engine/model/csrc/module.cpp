@@ -1,5 +1,7 @@
 // The Python module of foreserve's CPU kernels: paged_decode.cpp, bf16_linear.cpp, bf16_packed.cpp,
 // rope_store.cpp, rms_norm.cpp and decode_layer.cpp.
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor casters, not all of torch/extension.h
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,5 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("h"), py::arg("delta"), py::arg("input_norm"), py::arg("qkv_w"), py::arg("o_w"), py::arg("post_norm"),
         py::arg("gate_up_w"), py::arg("down_w"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
         py::arg("k_pool"), py::arg("v_pool"), py::arg("tables"), py::arg("lens"), py::arg("heads"), py::arg("kv_heads"),
-        py::arg("scale"), py::arg("packed") = std::vector<torch::Tensor>{}, py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("packed") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>());
 }

@@ -7,8 +7,7 @@
 // decode row has one. Here each sequence's blocks are read once, a token's row of all KV heads at a
 // time (the pool's [block, token, kv_head, dim] layout), into scores for every query head; then a
 // softmax and one more pass over V.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -147,8 +146,8 @@ void attend_part(const float* q, const KV* k_pool, const KV* v_pool, const int64
 
 // q [n, H, D]; k_pool, v_pool [num_blocks, block, KVH, D] (one layer); tables [n, max_blocks] int64;
 // lens [n] int64 (tokens to attend to, this step's included) -> [n, H, D]
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& tables, const torch::Tensor& lens, double scale) {
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: bad shapes");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && tables.device().is_cpu() &&
               lens.device().is_cpu(), "paged_decode: CPU tensors only");
@@ -174,7 +173,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block id outside the pool");
     }
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* q_p = q.data_ptr<float>();
   float* o_p = out.data_ptr<float>();
   // Each sequence's tokens are cut into ``parts`` ranges, one task each (flash-decoding's split):

@@ -2,15 +2,14 @@
 // x = weight * (h / sqrt(mean(h^2) + eps)). torch's rms_norm on a CPU is a chain of small ops (pow,
 // mean, add, rsqrt, mul, mul), ~35 us a call on one decode row here; a step of SmolLM2-135M makes
 // 61 such calls and 60 residual adds.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 
 #include <cmath>
 
 // h [T, n] float32 (updated in place when delta is given), delta [T, n] float32 or None,
 // weight [n] float32 -> [T, n] float32
-torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight,
-                           double eps) {
+at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
   TORCH_CHECK(h.dim() == 2 && weight.dim() == 1 && weight.size(0) == h.size(1), "add_rms_norm: h [T, n], weight [n]");
   TORCH_CHECK(h.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "add_rms_norm: float32 only");
   TORCH_CHECK(h.is_contiguous() && weight.is_contiguous() && h.device().is_cpu(), "add_rms_norm: contiguous CPU tensors");
@@ -19,7 +18,7 @@ torch::Tensor add_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>&
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == at::kFloat && delta->is_contiguous(),
                 "add_rms_norm: delta like h");
   const int64_t T = h.size(0), n = h.size(1);
-  auto out = torch::empty_like(h);
+  auto out = at::empty_like(h);
   float* h_p = h.data_ptr<float>();
   const float* d_p = add ? delta->data_ptr<float>() : nullptr;
   const float* w_p = weight.data_ptr<float>();

@@ -7,8 +7,7 @@
 // [blocks, block, KVH, D], float32 or bfloat16. Returns [T, H + KVH, D] float32: the rotated queries
 // then keys. The rotation is HF Llama's rotate-half, x * cos + rotate_half(x) * sin, each product
 // rounded apart as torch's ops round them (no fused multiply-add), so its values are torch's.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 
 namespace {
 
@@ -37,14 +36,14 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(
 
 }  // namespace
 
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         const torch::Tensor& slots, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                         int64_t heads, int64_t kv_heads) {
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                      int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == kv_heads,
               "rope_store: pools [blocks, block, KVH, D]");
   const int64_t dim = k_pool.size(3), T = qkv.size(0), nq = heads + kv_heads;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nq + kv_heads) * dim && dim % 2 == 0, "rope_store: qkv [T, (H + 2 KVH) * D]");
-  TORCH_CHECK(cos.sizes() == torch::IntArrayRef({T, dim}) && sin.sizes() == cos.sizes() && slots.numel() == T,
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, dim}) && sin.sizes() == cos.sizes() && slots.numel() == T,
               "rope_store: cos, sin [T, D] and slots [T]");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               slots.scalar_type() == at::kLong && v_pool.scalar_type() == k_pool.scalar_type() &&
@@ -56,7 +55,7 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   const int64_t capacity = k_pool.size(0) * k_pool.size(1);
   const int64_t* s_p = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s_p[t] >= 0 && s_p[t] < capacity, "rope_store: slot outside the pool");
-  auto qk = torch::empty({T, nq, dim}, qkv.options());
+  auto qk = at::empty({T, nq, dim}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
