@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install prepare prepare-tests serve run test test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
+.PHONY: install prepare prepare-tests serve run test test-all test-soak test-unit test-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 # uv installs the pinned set in under a minute where pip takes over five (2 cores, no cache). It
 # does not read pip's configuration: the find-links that hold the CPU wheel of torch (where the
@@ -50,15 +50,24 @@ run: serve
 
 # The tiers (tests/conftest.py): unit needs an install only; model the prepared model and traces;
 # e2e Ray, Serve, MLflow and Locust; multinode a Ray cluster of several nodes on this machine (and a
-# PostgreSQL it starts, installing Debian's package if missing). `make test` prepares once, then runs
-# all four: unit and model side by side (neither starts Ray or a server, and each is one pytest
-# process that leaves a core idle much of the time; --output-sync prints each tier's output whole
-# when it ends), then e2e and multinode alone, as their Ray clusters need the machine.
+# PostgreSQL it starts, installing Debian's package if missing). `make test` (what CI runs) prepares
+# once, then runs all four: unit and model side by side (neither starts Ray or a server, and each
+# is one pytest process that leaves a core idle much of the time; --output-sync prints each tier's
+# output whole when it ends), then e2e and multinode alone, as their Ray clusters need the machine.
+# The soak tests (marker `soak`: chaos under load, an online burst, a node's and the GCS's death)
+# take a quarter hour more on 2 cores: `make test-soak`, and `make test-all` runs everything.
 TIER_PREPARE := $(if $(PREPARED),install,prepare-tests)
+SOAK ?= not soak
 test: prepare-tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-model PREPARED=1
 	$(MAKE) --no-print-directory test-e2e PREPARED=1
 	$(MAKE) --no-print-directory test-multinode PREPARED=1
+
+test-soak: prepare-tests
+	$(MAKE) --no-print-directory test-e2e test-multinode PREPARED=1 SOAK=soak
+
+test-all: test
+	$(MAKE) --no-print-directory test-soak PREPARED=1
 
 # Proves the unit tier needs no model, data, Ray, MLflow or Locust: an empty data dir, and those
 # packages (with the data packages the model and traces are prepared from) hidden in pytest and its
@@ -80,8 +89,8 @@ test-model: $(TIER_PREPARE)
 # PYTHONFAULTHANDLER: a crash while the interpreter exits (after pytest's own handler is gone), as
 # Ray's threads have caused once after the summary, prints every thread's stack.
 test-e2e: $(TIER_PREPARE)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow" || [ $$? -eq 5 ]  # exit 5: none collected
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow" || [ $$? -eq 5 ]
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and $(SOAK)" || [ $$? -eq 5 ]  # exit 5: none collected
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow and $(SOAK)" || [ $$? -eq 5 ]
 
 # One pytest process per module: each module starts and shuts down a cluster of its own, and a
 # driver process that has shut Ray down and connected again can still be ended by Ray (exit 1,
@@ -92,7 +101,7 @@ test-e2e: $(TIER_PREPARE)
 test-multinode: $(TIER_PREPARE)
 	@failed=; for module in tests/multinode/test_*.py; do \
 		stamp=$$(mktemp); echo "pytest -v $$module"; \
-		$(PY) -m pytest -v --durations=5 $$module || { failed="$$failed $$module"; \
+		$(PY) -m pytest -v --durations=5 -m "$(SOAK)" $$module || [ $$? -eq 5 ] || { failed="$$failed $$module"; \
 			echo "errors in the logs of the Ray drivers it started:"; \
 			find /tmp/ray -name 'python-core-driver-*.log' -newer "$$stamp" -exec grep -hE '^\[[^]]+ [EF] [0-9]+ [0-9]+\]' {} + \
 				| grep -v 'has constructor arguments in the object store' | tail -n 10; }; \

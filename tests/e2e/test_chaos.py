@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.locust, pytest.mark.traces]
+pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.locust, pytest.mark.traces]
 
 
 def test_chaos_small(tmp_path, home_with_model):
