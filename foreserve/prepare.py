@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from app.prepare.model import ensure_model
 from app.prepare.traces import MANIFEST, SPLITS, ensure_traces
@@ -11,19 +12,21 @@ from app.prepare.traces import MANIFEST, SPLITS, ensure_traces
 
 def prepare(force: bool = False, predictor: bool = True) -> dict:
     """Build the model folder and the ShareGPT traces if absent (``force`` rebuilds the traces),
-    build the engine's CPU kernels (once per machine: its first replica then starts without
-    a 93 s compile here), then train, register and promote a first length predictor if MLflow has no
-    champion.
+    and meanwhile the engine's CPU kernels (once per machine and checkout: its first replica then
+    starts without a minute's compile here; the compiler runs beside the traces' tokenizer), then
+    train, register and promote a first length predictor if MLflow has no champion.
 
     Returns a summary: paths, per-split record counts, the predictor and seconds spent.
     """
     t0 = time.perf_counter()
     model_path = ensure_model()
     t1 = time.perf_counter()
-    traces_path = ensure_traces(force=force)
     from app.engine.model.cpu_kernels import paged_decode_op
 
-    kernel = paged_decode_op() is not None
+    with ThreadPoolExecutor(1) as pool:  # NOTE: the build waits on g++ and ninja, outside the GIL
+        building = pool.submit(paged_decode_op)
+        traces_path = ensure_traces(force=force)
+        kernel = building.result() is not None
     t2 = time.perf_counter()
     manifest = json.loads((traces_path / MANIFEST).read_text())
     champion = None
