@@ -4,8 +4,8 @@ and ``csrc/bf16_packed.cpp`` on the weights packed in panels), RoPE with the sto
 the RMSNorm after it (``csrc/rms_norm.cpp``), and SiLU(gate) * up and a whole decoder layer of a
 decode step in one call (``csrc/decode_layer.cpp``).
 
-One extension, built on first use with torch's C++ extension loader (g++ and ninja, about 2.5 min on 2 cores), once per machine
-and source: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
+One extension, built on first use with torch's C++ extension loader (g++ and ninja, about a minute on 2 cores), once per machine,
+source and checkout: the build lands in ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under ``foreserve-<cpu>`` (``-march=native``, so a build is never shared between CPUs with
 different instruction sets), outside any one ``FORESERVE_HOME``, and later processes load it in
 well under a second. Where it cannot be built (no compiler, another OS), ``paged_decode_op()`` and
