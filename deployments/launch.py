@@ -42,9 +42,9 @@ def wait_ready(url: str, timeout_s: float, app_name: str | None = None) -> dict:
 
 
 def _raise_if_failed(app_name: str) -> None:
-    from ray import serve
+    from deployments.pool_gate import serve_status
 
-    status = serve.status().applications.get(app_name)
+    status = serve_status().applications.get(app_name)
     if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
         name = getattr(status.status, "value", status.status)  # the name alone, not the enum's repr
         raise RuntimeError(f"Serve could not deploy {app_name!r} ({name}): {status.message}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,12 +25,24 @@ OPEN_STATUSES = ("UPDATING", "UPSCALING")
 FLEX_MAX_WAIT_S = 600.0
 
 
+_STATUS_LOCK = threading.Lock()
+
+
+def serve_status():
+    """``serve.status()``, one thread at a time in this process. NOTE: Ray Serve's is not thread-safe:
+    building its answer registers the autoscaling policy's module with cloudpickle and unregisters it
+    after, so a second thread's unregister raises ``ValueError: ... is not registered for pickle by
+    value`` (the ingress asks from threads: its health answer and the flex gate)."""
+    from ray import serve
+
+    with _STATUS_LOCK:
+        return serve.status()
+
+
 def replica_states(app_name: str, pools) -> dict[str, dict]:
     """Each pool's deployment status and replica counts by state (RUNNING, STARTING, ...), from
     Serve's controller; ``{}`` for a pool the app does not have."""
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
+    app = serve_status().applications.get(app_name)
     states = {}
     for name in pools:
         d = app.deployments.get(name) if app else None

@@ -233,7 +233,7 @@ def running_app(app_name: str = "foreserve") -> bool:
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     if not any("SERVE_CONTROLLER" in name for name in names):
         return False
-    from ray import serve
+    from deployments.pool_gate import serve_status
 
-    app = serve.status().applications.get(app_name)
+    app = serve_status().applications.get(app_name)
     return app is not None and "offline" in app.deployments and app.status == "RUNNING"

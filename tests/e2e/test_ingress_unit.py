@@ -335,3 +335,37 @@ def test_an_engine_shedding_load_is_a_429_with_retry_after():
         # the engine's reason, so that a client (and foreserve chaos) tells a refusal at the door from
         # one of a request that waited its whole limit
         assert error["message"] == f"The online pool is too busy to answer in time: {why}; retry after 3 s.", error
+
+
+def test_serve_status_is_asked_by_one_thread_at_a_time(monkeypatch: pytest.MonkeyPatch):
+    """Ray Serve's ``serve.status()`` is not thread-safe: each call registers the autoscaling policy's
+    module with cloudpickle and unregisters it after, so a second thread's unregister raises
+    ``ValueError: ... is not registered for pickle by value``. The ingress asks it from threads
+    (health and the flex gate), a burst watcher beside its waits: foreserve's calls take turns."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from deployments.pool_gate import replica_states
+
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    def status():
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with guard:
+            inside[0] -= 1
+        return SimpleNamespace(applications={})
+
+    monkeypatch.setattr(serve, "status", status)
+    threads = [threading.Thread(target=replica_states, args=("foreserve", ["offline"])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
