@@ -130,7 +130,7 @@ def _count_tokens(tokenizer, texts: list[str], desc: str) -> list[int]:
     return counts
 
 
-def build_records(source: Path, tokenizer, later: bool = True) -> tuple[dict[str, list[TraceRecord]], dict]:
+def build_records(source: Path, tokenizer, later: bool = False) -> tuple[dict[str, list[TraceRecord]], dict]:
     """Decode, split, template, tokenize and filter; the train conversations' later turns only with
     ``later``. Returns records per split built and drop counts."""
     text = source.read_text(encoding="utf-8")
@@ -242,6 +242,8 @@ def build_traces(
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # NOTE: traces without a manifest count as absent
+    for split in set(SPLITS) - set(splits):  # a split this build leaves out is not left behind, stale
+        (out_dir / f"{split}.jsonl").unlink(missing_ok=True)
     records, stats = build_records(Path(source), tokenizer, later)
     tmps = {}
     for split in splits:

@@ -216,6 +216,8 @@ def test_later_turns_are_built_only_when_asked_for(source):
         tok = FakeTokenizer()
         build_traces(source["path"], out, tok, tokenizer_path="fake", later=later)
         assert tok.seen == []
+    build_traces(source["path"], out, FakeTokenizer(), tokenizer_path="fake", force=True)  # first turns again
+    assert not (out / "train_later.jsonl").exists()  # no stale split beside a manifest that leaves it out
 
 
 def test_traces_built_before_splits_were_recorded_hold_all_three(source):
