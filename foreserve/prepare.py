@@ -12,11 +12,10 @@ from app.prepare.traces import MANIFEST, ensure_traces
 
 def prepare(force: bool = False, predictor: bool = True) -> dict:
     """Build the model folder and the ShareGPT traces (first turns: the train conversations' later
-    turns wait for the predictor's full recipe) if absent (``force`` rebuilds the traces),
-    and meanwhile the engine's CPU kernels (once per machine and checkout: its first replica then
-    starts without a minute's compile here; the compiler runs beside the model's conversion and the
-    traces' tokenizer), then
-    train, register and promote a first length predictor if MLflow has no champion.
+    turns wait for the predictor's full recipe) if absent (``force`` rebuilds the traces), and
+    meanwhile the engine's CPU kernels (once per machine and checkout: its first replica then starts
+    without a minute's compile here; the compiler runs beside the model's conversion and the traces'
+    tokenizer); then train, register and promote a first length predictor if MLflow has no champion.
 
     Returns a summary: paths, per-split record counts, the predictor and seconds spent.
     """
