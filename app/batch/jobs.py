@@ -35,6 +35,8 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 SUBMISSIONS = 3  # the Ray jobs one batch may take: a job lost with its driver is submitted again (``lost``)
 RESULTS = "results.jsonl"  # one answer per input line, in a job's output (app/batch/io.py)
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+NO_AGENT = "No available agent"  # Ray's Jobs API, before the head's job agent registers
+AGENT_WAIT_TRIES = 6  # each waits about 10 s in Ray's Jobs API
 
 
 class JobError(RuntimeError):
@@ -177,9 +179,27 @@ def submit(input_path: str | Path, output: str | Path, job_id: str | None = None
         Path(output).mkdir(parents=True, exist_ok=True)
     # NOTE: each (re)submission is its own Ray job, ``ID`` then ``ID.2``, ``ID.3``...: reusing a Ray
     # submission id right after a stop races with the old job's supervisor actor
-    jobs.submit_job(entrypoint=shlex.join(args), submission_id=job_id if not attempts else f"{job_id}.{len(attempts) + 1}",
-                    runtime_env={"env_vars": env}, metadata={"job_id": job_id, "output": output, "input": input_path})
+    _submit_when_agent_up(jobs, entrypoint=shlex.join(args), runtime_env={"env_vars": env},
+                          submission_id=job_id if not attempts else f"{job_id}.{len(attempts) + 1}",
+                          metadata={"job_id": job_id, "output": output, "input": input_path})
     return job_id
+
+
+def _submit_when_agent_up(jobs, **job) -> None:
+    """``jobs.submit_job(**job)``, tried again while the head's job agent is not registered yet.
+    Ray's Jobs API waits 10 s for it, then answers 500 "No available agent to submit job, please try
+    again later" and submits nothing: a head that has just started, on busy cores, can take longer."""
+    for attempt in range(1, AGENT_WAIT_TRIES + 1):
+        try:
+            jobs.submit_job(**job)
+            return
+        except RuntimeError as exc:
+            if NO_AGENT not in str(exc):
+                raise
+            if attempt == AGENT_WAIT_TRIES:
+                raise JobError(f"the Ray head's job agent did not come up in {AGENT_WAIT_TRIES} tries of about 10 s "
+                               f"(Ray: {exc}); is its dashboard agent running? (`ray status`, its dashboard_agent.log)") from None
+            time.sleep(1)
 
 
 def location(where: str | Path) -> str:

@@ -270,6 +270,41 @@ def test_submit_takes_store_uris_for_input_and_output(object_store: ObjectStore,
     assert jobs.location(tmp_path / "a" / ".." / "b") == str(tmp_path / "b") and jobs.location(output) == output
 
 
+class BusyHeadClient(FakeClient):
+    """A head whose job agent has not registered yet: Ray's Jobs API answers 500 "No available agent"
+    for the first ``busy`` submissions, as it does for a head under load at start."""
+
+    def __init__(self, busy: int) -> None:
+        super().__init__()
+        self.busy, self.calls = busy, 0
+
+    def submit_job(self, **kwargs) -> str:
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try again later..")
+        return super().submit_job(**kwargs)
+
+
+def test_submit_waits_out_a_head_whose_job_agent_is_not_up_yet(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Ray asks to "try again later" while the head's job agent registers: submit does, within its
+    limit, and submits once; past the limit it raises JobError naming the cause."""
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+    source = tmp_path / "rows.jsonl"
+    source.write_bytes(ROWS)
+    client = BusyHeadClient(busy=3)
+    assert jobs.submit(source, tmp_path / "out", "job-1", jobs=client) == "job-1"
+    assert client.calls == 4 and [j["submission_id"] for j in client.jobs] == ["job-1"]
+    never = BusyHeadClient(busy=10**6)
+    with pytest.raises(jobs.JobError, match="job agent"):
+        jobs.submit(source, tmp_path / "out", "job-2", jobs=never)
+    assert never.jobs == [] and never.calls == jobs.AGENT_WAIT_TRIES
+    other = RuntimeError("Request failed with status code 400: bad runtime_env.")
+    broken = FakeClient()
+    broken.submit_job = lambda **kw: (_ for _ in ()).throw(other)
+    with pytest.raises(RuntimeError, match="bad runtime_env"):  # any other error is raised at once
+        jobs.submit(source, tmp_path / "out", "job-3", jobs=broken)
+
+
 def test_a_tenant_sees_only_its_own_files_and_batches(object_store: ObjectStore, fake_jobs: FakeJobs):
     """Owners are the callers' key digests: another key's files, contents, batches, cancels and
     listings are 404 or absent, as if they did not exist; without authentication (owner None) the
