@@ -6,8 +6,8 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from app.prepare.model import ensure_model
-from app.prepare.traces import MANIFEST, ensure_traces
+from app.prepare.model import ensure_model, gguf_path, model_ready
+from app.prepare.traces import MANIFEST, ensure_traces, source_path
 
 
 def prepare(force: bool = False, predictor: bool = True) -> dict:
@@ -22,6 +22,9 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     from app.engine.model.cpu_kernels import paged_decode_op
 
     t0 = time.perf_counter()
+    source_path()  # NOTE: a missing data package fails here, not after the kernel build it would wait for
+    if not model_ready():
+        gguf_path()
     with ThreadPoolExecutor(1) as pool:  # NOTE: the build waits on g++ and ninja, outside the GIL
         building = pool.submit(paged_decode_op)
         model_path = ensure_model()

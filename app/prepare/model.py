@@ -30,6 +30,12 @@ def gguf_path() -> Path:
     return path
 
 
+def model_ready(target: Path | None = None) -> bool:
+    """Whether the converted model folder is in place (``ensure_model`` has nothing to do)."""
+    target = target or paths.model_dir()
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
 def ensure_model(target: Path | None = None) -> Path:
     """Return a plain HF model folder (config, safetensors, tokenizer), converting it on first use.
 
@@ -37,7 +43,7 @@ def ensure_model(target: Path | None = None) -> Path:
     into place only when complete, so an interrupted run never leaves a half-written model.
     """
     target = target or paths.model_dir()
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if model_ready(target):
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
