@@ -216,6 +216,7 @@ def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dic
     from ray.cluster_utils import Cluster
 
     from app import paths
+    from app.ports import free_port
 
     node_env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
@@ -228,12 +229,15 @@ def _local_cluster(root: Path, env: dict[str, str] | None = None, head_args: dic
     mp.setenv("RAY_AUTH_MODE", "disabled")
     mp.delenv("RAY_ADDRESS", raising=False)
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # NOTE: each node's dashboard agent on a port of its own: Ray's default, 52365, binds once per IP,
+    # and a node whose agent cannot bind has no Jobs API agent (another Ray on this machine may hold it)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": {"head": 1}, "env_vars": {**node_env, "FORESERVE_HOME": str(homes["head"])},
-        **(head_args or {})})
+        "dashboard_agent_listen_port": free_port(), **(head_args or {})})
     try:
         for name in WORKERS:
-            cluster.add_node(num_cpus=1, resources={name: 1}, env_vars={**node_env, "FORESERVE_HOME": str(homes[name])})
+            cluster.add_node(num_cpus=1, resources={name: 1}, env_vars={**node_env, "FORESERVE_HOME": str(homes[name])},
+                             dashboard_agent_listen_port=free_port())
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield LocalCluster(cluster, homes, cluster.address)

@@ -42,6 +42,7 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
     feedback = tmp_path / "home"
     with _serving_from(feedback):
         app = EngineServerDeployment.options(name="online").bind("online", {"kv_cache_tokens": 2048, "torch_threads": 1})
+        serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app, name="engine-test", route_prefix=None).options(stream=True)
         request = {"request_id": "r1", "messages": [{"role": "user", "content": "Say hello."}],
                    "sampling": {"max_tokens": 8, "temperature": 0.0}, "prediction": {"bucket": 0, "bound_tokens": 102, "rank_tokens": 12.5, "version": "7"},
@@ -92,6 +93,7 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
     with _serving_from(tmp_path / "home"):
         overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 500}
         app = EngineServerDeployment.options(name="online").bind("online", overrides)
+        serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app, name="late-test", route_prefix=None).options(stream=True)
 
         def request(rid: str, max_tokens: int) -> dict:

@@ -91,6 +91,7 @@ def test_serve_deployment_batches_and_reports_its_version(home: Path):
     env = {"FORESERVE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
+        serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(PredictorDeployment.bind({"poll_s": 3600}), name="predictor-test", route_prefix=None)
 
         async def burst() -> list[dict]:

@@ -356,7 +356,8 @@ def test_a_frozen_replica_is_replaced_and_its_request_answered(served):
 
     replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
                    if "#online#" in a["name"] and a["name"].startswith("SERVE_REPLICA"))
-    [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    cluster = ray.get_runtime_context().gcs_address  # NOTE: not Ray's guess, which fails beside another local Ray
+    [actor] = [a for a in list_actors(cluster, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
                if a.name == replica["name"]]
     os.kill(actor.pid, signal.SIGSTOP)
     try:

@@ -139,6 +139,7 @@ def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path)
             name="online", ray_actor_options={"num_cpus": 0},
             placement_group_bundles=[{"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.5}], placement_group_strategy="STRICT_PACK",
         ).bind("online", {**engine_config, "tensor_parallel_size": 2})
+        serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app, name="tp-test", route_prefix=None).options(stream=True)
         request = {"messages": messages, "sampling": {"max_tokens": 12, "temperature": 0.0}, "prediction": {"bucket": 0, "bound_tokens": 102}}
 

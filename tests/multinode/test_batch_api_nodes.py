@@ -71,9 +71,10 @@ def served(s3_cluster, s3_uri: str):
 
 
 def _ingress_nodes() -> list[str]:
+    import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:{APP}:ingress"), ("state", "=", "ALIVE")])
+    actors = list_actors(ray.get_runtime_context().gcs_address, filters=[("class_name", "=", f"ServeReplica:{APP}:ingress"), ("state", "=", "ALIVE")])
     return [actor.node_id for actor in actors]
 
 

@@ -32,6 +32,7 @@ def _predictor_info(cluster, node: str, env: dict[str, str] | None = None) -> tu
 
     options = {**cluster.pin(node), "runtime_env": {"env_vars": env or {}}}
     app = PredictorDeployment.options(ray_actor_options=options).bind({"source": "champion", "retrain_enabled": False})
+    serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
     handle = serve.run(app, name="predictor-on-a-node", route_prefix=None)
     try:
         return handle.info.remote().result(timeout_s=180), handle.predict.remote("write me a poem").result(timeout_s=60)

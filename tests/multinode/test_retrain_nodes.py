@@ -59,6 +59,7 @@ def test_feedback_on_a_worker_node_retrains_once_for_the_cluster(cluster, tmp_pa
         config = {"source": "champion", "poll_s": 1.0, "retrain": POLICY}
         env = {"MLFLOW_TRACKING_URI": server.url}
         app = PredictorDeployment.options(num_replicas=2, ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": env}})
+        serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app.bind(config, shared.uri), name="retrain-nodes", route_prefix=None)
         try:
             assert handle.info.remote().result(timeout_s=180)["version"] == "1"

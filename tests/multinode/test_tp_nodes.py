@@ -32,6 +32,7 @@ def test_tp_ranks_that_cannot_share_a_node_fail_within_seconds(cluster):
         placement_group_bundles=[{"CPU": 0.1}, {"CPU": 0.3}, {"CPU": 0.3}], placement_group_strategy="PACK",
     ).bind("online", {"kv_cache_tokens": 1024, "torch_threads": 1, "tensor_parallel_size": 2})
     t0 = time.monotonic()
+    serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
     with pytest.raises(RuntimeError, match="Deploying application tp-spread failed"):
         serve.run(app, name="tp-spread", route_prefix=None)
     assert time.monotonic() - t0 < 120  # a hang guard, not a speed claim: the ranks' rendezvous would wait 900 s
