@@ -155,6 +155,5 @@ def test_the_service_serves_through_a_gcs_restart_and_a_deploy_meanwhile_fails_l
     def probe() -> str:
         return "up"
 
-    serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
     assert serve.run(probe.bind(), name="after-the-outage", route_prefix=None).remote().result(timeout_s=60) == "up"
     serve.delete("after-the-outage")
