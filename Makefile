@@ -17,7 +17,7 @@ export RAY_AUTH_MODE ?= disabled
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX ?= $(CURDIR)/$(VENV)/pycache
 
-.PHONY: install prepare prepare-tests serve run test test-all test-soak test-unit test-model test-lane-unit test-lane-model test-lane-e2e test-lane-cluster test-e2e test-e2e-fast test-e2e-slow test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
+.PHONY: install prepare prepare-tests serve run test test-all test-soak test-unit test-model test-lane-unit test-lane-model test-e2e test-e2e-fast test-e2e-slow test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 # uv installs the pinned set in under a minute where pip takes over five (2 cores, no cache). It does not
 # read pip's configuration: the find-links that hold the CPU wheel of torch (where the machine has one) come
@@ -57,16 +57,10 @@ run: serve
 # The tiers (tests/conftest.py): unit needs an install only; model the prepared model and traces;
 # e2e Ray, Serve, MLflow and Locust; multinode a Ray cluster of several nodes on this machine (and a
 # PostgreSQL it starts, installing Debian's package if missing). `make test` (what CI runs) prepares
-# once, then runs all four on two lanes side by side, --output-sync printing each lane whole when it
-# ends. First unit and model (neither starts Ray or a server; each pytest process keeps about one core
-# busy), in equal halves: the unit tier, then the model tier's two trace modules (MODEL_BESIDE_UNIT);
-# the rest of the model tier. Then e2e's tests that start Ray (marker `ray`) beside the rest of e2e
-# and multinode: each tier alone leaves a quarter of the cores idle (Ray's starts, health checks, the
-# tests' waits). Each of these lanes has a Ray temp dir of its own (RAY_TMPDIR): the note of the
-# latest cluster, which `ray.init()` joins, lives there, so a lane never joins the other's cluster.
-# Ports are the other thing two Rays on one machine share: the multinode nodes' dashboard agents and
-# every Serve proxy in the tests listen on free ports, or there is none; a local `ray.init()` takes
-# the agent's default port, so only one lane starts those (e2e's `ray` tests).
+# once, then runs all four: unit and model on two lanes side by side (neither starts Ray or a server;
+# each pytest process keeps about one core busy), then e2e and multinode alone, as their Ray clusters
+# need the machine. The lanes hold equal work: the unit tier, then the model tier's two trace modules
+# (MODEL_BESIDE_UNIT); the rest of the model tier. --output-sync prints each lane whole when it ends.
 # The soak tests (marker `soak`: chaos under load, an online burst, a node's and the GCS's death)
 # take a quarter hour more on 2 cores: `make test-soak`, and `make test-all` runs everything.
 TIER_PREPARE := $(if $(PREPARED),install,prepare-tests)
@@ -74,22 +68,14 @@ SOAK ?= not soak
 MODEL_BESIDE_UNIT := tests/model/test_planner_traces.py tests/model/test_bench_traces.py
 test: prepare-tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-unit test-lane-model PREPARED=1
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-e2e test-lane-cluster PREPARED=1
+	$(MAKE) --no-print-directory test-e2e PREPARED=1
+	$(MAKE) --no-print-directory test-multinode PREPARED=1
 
 test-lane-unit: test-unit $(TIER_PREPARE)
 	$(PY) -m pytest -q $(MODEL_BESIDE_UNIT)
 
 test-lane-model: $(TIER_PREPARE)
 	$(PY) -m pytest -q tests/model $(MODEL_BESIDE_UNIT:%=--ignore=%)
-
-# A fresh Ray temp dir for the lane's recipe, removed after (short: Ray's socket paths live under it).
-RAY_LANE = dir=$$(mktemp -d /tmp/ray-lane-XXXX) && trap 'rm -rf "$$dir"' EXIT && RAY_TMPDIR=$$dir
-
-test-lane-e2e: $(TIER_PREPARE)
-	@$(RAY_LANE) $(MAKE) --no-print-directory test-e2e PREPARED=1 E2E=ray
-
-test-lane-cluster: $(TIER_PREPARE)
-	@$(RAY_LANE) $(MAKE) --no-print-directory test-e2e test-multinode PREPARED=1 E2E='not ray'
 
 test-soak: prepare-tests
 	$(MAKE) --no-print-directory test-e2e test-multinode PREPARED=1 SOAK=soak
@@ -118,7 +104,7 @@ test-model: $(TIER_PREPARE)
 # Ray's threads have caused once after the summary, prints every thread's stack.
 test-e2e: test-e2e-fast test-e2e-slow
 
-# E2E: a marker expression the tests must also match (`make test` splits the tier by `ray` / `not ray`).
+# E2E: a marker expression the tests must also match (`make test-e2e E2E=ray`).
 E2E ?=
 test-e2e-fast: $(TIER_PREPARE)
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and $(SOAK)$(if $(E2E), and $(E2E))" || [ $$? -eq 5 ]  # exit 5: none collected

@@ -91,9 +91,7 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
     from deployments.engine_server import EngineServerDeployment
 
     with _serving_from(tmp_path / "home"):
-        # NOTE: 1.5 s: the first's first token is estimated from steps timed on these cores, 0.6 s once
-        # on 2 busy cores (refused at 500 ms); the third's wait is at least two 100-token answers
-        overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 1500}
+        overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 500}
         app = EngineServerDeployment.options(name="online").bind("online", overrides)
         serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app, name="late-test", route_prefix=None).options(stream=True)
