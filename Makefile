@@ -17,7 +17,7 @@ export RAY_AUTH_MODE ?= disabled
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX ?= $(CURDIR)/$(VENV)/pycache
 
-.PHONY: install prepare prepare-tests serve run test test-all test-soak test-unit test-model test-lane-unit test-lane-model test-e2e test-e2e-fast test-e2e-slow test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
+.PHONY: install prepare prepare-tests serve run test test-all test-soak test-unit test-model test-lane-unit test-lane-model test-e2e test-multinode test-fast bench bench-sim bench-predictor bench-serve bench-batch bench-burst bench-llama-cpp llama-cpp loadtest-llama-cpp plan calibrate-service loadtest loadtest-ab chaos clean
 
 # uv installs the pinned set in under a minute where pip takes over five (2 cores, no cache). It does not
 # read pip's configuration: the find-links that hold the CPU wheel of torch (where the machine has one) come
@@ -102,15 +102,9 @@ test-model: $(TIER_PREPARE)
 
 # PYTHONFAULTHANDLER: a crash while the interpreter exits (after pytest's own handler is gone), as
 # Ray's threads have caused once after the summary, prints every thread's stack.
-test-e2e: test-e2e-fast test-e2e-slow
-
-# E2E: a marker expression the tests must also match (`make test-e2e E2E=ray`).
-E2E ?=
-test-e2e-fast: $(TIER_PREPARE)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and $(SOAK)$(if $(E2E), and $(E2E))" || [ $$? -eq 5 ]  # exit 5: none collected
-
-test-e2e-slow: $(TIER_PREPARE)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow and $(SOAK)$(if $(E2E), and $(E2E))" || [ $$? -eq 5 ]
+test-e2e: $(TIER_PREPARE)
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and $(SOAK)" || [ $$? -eq 5 ]  # exit 5: none collected
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow and $(SOAK)" || [ $$? -eq 5 ]
 
 # One pytest process per module: each module starts and shuts down a cluster of its own, and a
 # driver process that has shut Ray down and connected again can still be ended by Ray (exit 1,
