@@ -15,7 +15,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
-from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps
+from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps, own_prefill_steps
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
 from predictor.base import LengthPredictor, MaxPredictor
@@ -193,7 +193,7 @@ class LLMEngine:
         backlog = False
         if self.shedder is not None:  # NOTE: no scan per step when shedding is off
             backlog = next(awaiting_first_token(self.scheduler.requests.values()), None) is not None
-        refused = [] if self.shedder is None else [self._refuse(r) for r in self.shedder.late(self.scheduler.waiting, self.clock())]
+        refused = [] if self.shedder is None else [self._refuse(r) for r in self._late()]
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -225,12 +225,25 @@ class LLMEngine:
         return self._end_with_error(req, RequestStatus.FINISHED_ERROR,
                                     "the model produced invalid values (NaN or infinite logits) for this request")
 
+    def _late(self) -> list[Request]:
+        """The unstarted requests whose first token can no longer come within the shedding limit
+        (``LoadShedder.late``), their own prompt timed at the step budget and the recent step time."""
+        step_s = self.scheduler.recent_step_s
+        if step_s is None:  # NOTE: no pace yet (warm-up): the wait alone
+            return self.shedder.late(self.scheduler.waiting, self.clock())
+        running, budget = self.scheduler.running, self.scheduler.step_token_budget()
+        return self.shedder.late(self.scheduler.waiting, self.clock(),
+                                 lambda r: own_prefill_steps(r, running, budget) * step_s)
+
     def _refuse(self, req: Request) -> RequestOutput:
-        """Refuse an admitted request that waited past ``max_queue_delay_ms`` without starting (429).
-        The client's 429 carries this reason; ``foreserve chaos`` tells these refusals from those at
-        admission by its "without starting" (``loadtests/chaos/score.py``)."""
+        """Refuse an admitted request whose first token can no longer come within
+        ``max_queue_delay_ms``, unstarted (429). The client's 429 carries this reason; ``foreserve
+        chaos`` tells these refusals from those at admission by its "without starting"
+        (``loadtests/chaos/score.py``)."""
+        waited = self.clock() - max(req.arrival_s, self.shedder.ready_s or req.arrival_s)
         return self._end_with_error(req, RequestStatus.FINISHED_ABORTED, retryable=True, error=(
-            f"it waited past this pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g}) without starting"))
+            f"it waited {waited:.1f} s without starting, and its first token can no longer come within this "
+            f"pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g})"))
 
     def _end_with_error(self, req: Request, status: RequestStatus, error: str, retryable: bool = False) -> RequestOutput:
         self.scheduler.finish(req, status)

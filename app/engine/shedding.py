@@ -18,8 +18,10 @@ where the next does not:
 
 All three estimate at admission, and steps that slow down after it (more answers in the batch,
 other processes on the cores) make them late. So an admitted request that has not started (no
-KV, nothing computed) when its wait passes the limit is refused then (``late``), as Triton's queue
-policy rejects on timeout: every answer's first token comes within the limit and its prefill.
+KV, nothing computed) is refused once its first token can no longer come within the limit: its
+wait and its own prompt's steps at the recent step time (``late``), as Triton's queue policy
+rejects on timeout, a prefill early. An answer started later would miss the TTFT objective the
+limit stands for, and its steps would delay the answers that can still meet theirs.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Re
     ahead = sum(left for r in running if (left := r.num_tokens - r.num_computed_tokens) > 1)
     ahead += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
     return math.ceil((ahead + new.num_tokens) / max(1, budget - decodes))
+
+
+def own_prefill_steps(req: Request, running: Iterable[Request], budget: int) -> int:
+    """Steps to compute ``req``'s prompt alone once started: each step carries the running
+    answers' decodes first and its chunk in what is left of the token ``budget`` (``prefill_steps``
+    without the prompts ahead). The least time to its first token from its start."""
+    decodes = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
+    return math.ceil(req.num_tokens / max(1, budget - decodes))
 
 
 def first_token_steps(new: Request, scheduler: Scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
@@ -158,13 +168,17 @@ class LoadShedder:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
 
-    def late(self, waiting: Iterable[Request], now_s: float) -> list[Request]:
+    def late(self, waiting: Iterable[Request], now_s: float,
+             prefill_s: Callable[[Request], float] = lambda r: 0.0) -> list[Request]:
         """The waiting requests never started (not preempted, not resumed: no KV was spent on them)
-        that have waited past the limit, counted from the first step's end as in ``check``."""
+        whose first token can no longer come within the limit: their wait, counted from the first
+        step's end as in ``check``, and ``prefill_s``, the least their own prompt takes once started,
+        pass it."""
         if self.ready_s is None:
             return []
         return [r for r in waiting if r.status is RequestStatus.WAITING and not r.output_token_ids
-                and r.num_computed_tokens == 0 and now_s - max(r.arrival_s, self.ready_s) > self.limit_s]
+                and r.num_computed_tokens == 0
+                and now_s - max(r.arrival_s, self.ready_s) + prefill_s(r) > self.limit_s]
 
     def check_admission(self, wait_steps: int | None, step_s: float | None) -> None:
         """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps

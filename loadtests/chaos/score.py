@@ -56,7 +56,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
-LATE_REFUSAL = "without starting"  # in the 429 of a request refused when its wait passed the limit
+LATE_REFUSAL = "without starting"  # in the 429 of a request refused unstarted, its first token past the limit
 
 
 def overload(records: list[dict]) -> dict:

@@ -297,6 +297,34 @@ def test_a_request_still_unstarted_when_its_wait_passes_the_queue_delay_is_refus
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
+def test_an_unstarted_request_whose_prompt_could_not_be_computed_within_the_queue_delay_is_refused():
+    """A prompt takes steps to compute after its request starts: one started just before its wait
+    passes ``max_queue_delay_ms`` gives its first token past the limit, an answer that misses its
+    TTFT objective whatever comes after, and whose steps delay the others. So an unstarted request
+    is refused once its own prompt, at the step budget the running decodes leave and the recent
+    step time, can no longer be computed within the limit: every answer's first token comes within it."""
+    limit_s, step_s = 1.0, 0.05
+    engine = make_engine("reserve_max", kv_tokens=128, block=16, max_queue_delay_ms=limit_s * 1000, step_s=step_s,
+                         max_num_batched_tokens=16)
+    for i in range(12):  # 48-token prompts, 3 steps each at 16 tokens a step; two fit in the KV at a time
+        add(engine, f"b{i}", 48, 5)
+    firsts: dict[str, float] = {}
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.new_token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = engine.clock()
+    ready = engine.shedder.ready_s
+    refused = [rid for rid, outs in outputs.items() if outs[-1].error is not None]
+    assert refused and len(refused) < 12
+    for rid in refused:
+        assert outputs[rid][-1].retryable and outputs[rid][-1].new_token_ids == []
+    for rid in set(outputs) - set(refused):
+        assert outputs[rid][-1].num_output_tokens == 5
+        assert firsts[rid] - ready <= limit_s + 1e-9, (rid, firsts[rid] - ready)
+
+
 def test_a_resumed_answer_recomputing_its_tokens_counts_as_a_prompt_ahead_not_a_decode():
     """An answer resumed from a lost replica (or preempted) has output tokens but no KV: until its
     prompt and tokens so far are computed again it takes prompt room from each step, not one decode
