@@ -263,6 +263,18 @@ def test_new_requests_are_shed_when_the_prompts_ahead_take_past_the_queue_delay(
     assert engine.scheduler.requests["short prompt"].num_output_tokens == 1  # as estimated
 
 
+def run_recording_first_tokens(engine) -> tuple[dict[str, list], dict[str, float]]:
+    """Step ``engine`` until done: each request's outputs, and the clock at its first token."""
+    firsts: dict[str, float] = {}
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.new_token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = engine.clock()
+    return outputs, firsts
+
+
 def test_a_request_still_unstarted_when_its_wait_passes_the_queue_delay_is_refused_then():
     """The admission tests estimate; steps that slow down after admission make the estimate late.
     So a request admitted but not started (no KV, nothing computed) when it has waited past
@@ -277,13 +289,7 @@ def test_a_request_still_unstarted_when_its_wait_passes_the_queue_delay_is_refus
     engine.add_request(EngineRequest(request_id="resumed", prompt_token_ids=[5] * 10, resume_output_token_ids=[7],
                                      sampling=SamplingParams(max_tokens=5, ignore_eos=True),
                                      prediction=Prediction(bucket=0, bound_tokens=5)))
-    firsts: dict[str, float] = {}
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-            if out.new_token_ids and out.request_id not in firsts:
-                firsts[out.request_id] = engine.clock()
+    outputs, firsts = run_recording_first_tokens(engine)
     ready = engine.shedder.ready_s
     refused = sorted(rid for rid, outs in outputs.items() if outs[-1].error is not None)
     assert refused and len(refused) < 12
@@ -308,13 +314,7 @@ def test_an_unstarted_request_whose_prompt_could_not_be_computed_within_the_queu
                          max_num_batched_tokens=16)
     for i in range(12):  # 48-token prompts, 3 steps each at 16 tokens a step; two fit in the KV at a time
         add(engine, f"b{i}", 48, 5)
-    firsts: dict[str, float] = {}
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-            if out.new_token_ids and out.request_id not in firsts:
-                firsts[out.request_id] = engine.clock()
+    outputs, firsts = run_recording_first_tokens(engine)
     ready = engine.shedder.ready_s
     refused = [rid for rid, outs in outputs.items() if outs[-1].error is not None]
     assert refused and len(refused) < 12
