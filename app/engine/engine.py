@@ -228,9 +228,9 @@ class LLMEngine:
     def _late(self) -> list[Request]:
         """The unstarted requests whose first token can no longer come within the shedding limit
         (``LoadShedder.late``), their own prompt timed at the step budget and the recent step time."""
-        step_s = self.scheduler.recent_step_s
-        if step_s is None:  # NOTE: no pace yet (warm-up): the wait alone
-            return self.shedder.late(self.scheduler.waiting, self.clock())
+        if not self.scheduler.waiting:
+            return []
+        step_s = self.scheduler.recent_step_s or 0.0  # NOTE: no pace yet (warm-up): the wait alone
         running, budget = self.scheduler.running, self.scheduler.step_token_budget()
         return self.shedder.late(self.scheduler.waiting, self.clock(),
                                  lambda r: own_prefill_steps(r, running, budget) * step_s)
@@ -240,7 +240,7 @@ class LLMEngine:
         ``max_queue_delay_ms``, unstarted (429). The client's 429 carries this reason; ``foreserve
         chaos`` tells these refusals from those at admission by its "without starting"
         (``loadtests/chaos/score.py``)."""
-        waited = self.clock() - max(req.arrival_s, self.shedder.ready_s or req.arrival_s)
+        waited = self.clock() - self.shedder.since_s(req)
         return self._end_with_error(req, RequestStatus.FINISHED_ABORTED, retryable=True, error=(
             f"it waited {waited:.1f} s without starting, and its first token can no longer come within this "
             f"pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g})"))

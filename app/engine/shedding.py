@@ -85,18 +85,22 @@ def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Re
     far are computed): each step carries the running answers' decodes first (one token each) and
     prompt chunks in what is left of its token ``budget`` (at least one token)."""
     running = list(running)
-    decodes = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
     ahead = sum(left for r in running if (left := r.num_tokens - r.num_computed_tokens) > 1)
     ahead += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-    return math.ceil((ahead + new.num_tokens) / max(1, budget - decodes))
+    return math.ceil((ahead + new.num_tokens) / prompt_room(running, budget))
 
 
 def own_prefill_steps(req: Request, running: Iterable[Request], budget: int) -> int:
-    """Steps to compute ``req``'s prompt alone once started: each step carries the running
-    answers' decodes first and its chunk in what is left of the token ``budget`` (``prefill_steps``
-    without the prompts ahead). The least time to its first token from its start."""
+    """Steps to compute ``req``'s prompt alone once started (``prefill_steps`` without the prompts
+    ahead): the least time to its first token from its start."""
+    return math.ceil(req.num_tokens / prompt_room(running, budget))
+
+
+def prompt_room(running: Iterable[Request], budget: int) -> int:
+    """Prompt tokens a step carries: what its token ``budget`` leaves after the running answers'
+    decodes (one token each), at least one."""
     decodes = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
-    return math.ceil(req.num_tokens / max(1, budget - decodes))
+    return max(1, budget - decodes)
 
 
 def first_token_steps(new: Request, scheduler: Scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
@@ -156,7 +160,7 @@ class LoadShedder:
         until it has stepped, and a backlog it is about to serve is no reason to turn work away."""
         if self.ready_s is None:
             return
-        pending = [max(r.arrival_s, self.ready_s) for r in awaiting_first_token(requests)]
+        pending = [self.since_s(r) for r in awaiting_first_token(requests)]
         if not pending:
             return
         limit = f"past this pool's max_queue_delay_ms ({self.limit_s * 1000:g})"
@@ -168,8 +172,7 @@ class LoadShedder:
             raise EngineOverloaded(f"{len(pending)} requests wait for a first token, given at {rate:.2f}/s: "
                                    f"{len(pending) / rate:.1f} s, {limit}")
 
-    def late(self, waiting: Iterable[Request], now_s: float,
-             prefill_s: Callable[[Request], float] = lambda r: 0.0) -> list[Request]:
+    def late(self, waiting: Iterable[Request], now_s: float, prefill_s: Callable[[Request], float]) -> list[Request]:
         """The waiting requests never started (not preempted, not resumed: no KV was spent on them)
         whose first token can no longer come within the limit: their wait, counted from the first
         step's end as in ``check``, and ``prefill_s``, the least their own prompt takes once started,
@@ -178,7 +181,12 @@ class LoadShedder:
             return []
         return [r for r in waiting if r.status is RequestStatus.WAITING and not r.output_token_ids
                 and r.num_computed_tokens == 0
-                and now_s - max(r.arrival_s, self.ready_s) + prefill_s(r) > self.limit_s]
+                and now_s - self.since_s(r) + prefill_s(r) > self.limit_s]
+
+    def since_s(self, req: Request) -> float:
+        """When ``req``'s wait began, as the shedder counts it: its arrival, or the first step's end
+        for a request that came before it (a cold start's wait is not the pool's pace)."""
+        return req.arrival_s if self.ready_s is None else max(req.arrival_s, self.ready_s)
 
     def check_admission(self, wait_steps: int | None, step_s: float | None) -> None:
         """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps
