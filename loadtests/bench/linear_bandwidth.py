@@ -5,9 +5,9 @@ small batch's step is to the machine's memory bandwidth.
 
 The weights are the served model's shapes (q/k/v and gate/up fused, as the runner fuses them, and
 the LM head) in bfloat16, random; each linear runs as the runner runs it (``cpu_linear.linear`` with ``fast_linear``'s
-function: oneDNN's bfloat16 kernels on a CPU with native bfloat16, else foreserve's AVX2 kernel for
-few rows). GB/s counts the bfloat16 bytes; past ``BF16W_ROWS`` rows an AVX2 machine reads float32
-copies, twice as many.
+function: foreserve's kernel up to ``bf16_kernel_rows()`` rows, oneDNN's bfloat16 kernels past them
+on a CPU with native bfloat16 and at every row count with AMX). GB/s counts the bfloat16 bytes; past
+``BF16W_ROWS`` rows a CPU without native bfloat16 reads float32 copies, twice as many.
 """
 
 from __future__ import annotations
@@ -52,16 +52,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from app import paths
-    from app.engine.model.cpu_kernels import bf16_linear_op
-    from app.engine.model.cpu_linear import BF16W_ROWS, fast_linear, linear, native_bf16
+    from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
+    from app.engine.model.cpu_linear import bf16_kernel_rows, fast_linear, linear, native_bf16
 
     shapes = step_shapes(paths.model_dir())
     modules = [torch.nn.Linear(i, o, bias=False).to(torch.bfloat16).requires_grad_(False) for o, i in shapes]
-    op = None if native_bf16() else bf16_linear_op()
-    fast = [fast_linear(m, op) for m in modules]
+    limit = bf16_kernel_rows()
+    fast = [fast_linear(m, bf16_linear_op(), bf16_pack_op()) if limit else fast_linear(m) for m in modules]
     nbytes = sum(o * i * 2 for o, i in shapes)
-    kernel = ("oneDNN bfloat16" if native_bf16() else f"foreserve AVX2 bfloat16 up to {BF16W_ROWS} rows, "
-              "float32 copies above") if all(fast) else "torch's plain linear"
+    above = "oneDNN bfloat16" if native_bf16() else "float32 copies"
+    kernel = ("oneDNN bfloat16" if not limit else f"foreserve's bfloat16 kernel up to {limit} rows, {above} above") \
+        if all(fast) else "torch's plain linear"
     print(f"{len(shapes)} linears, {nbytes / 1e6:.0f} MB of bfloat16 weights, {torch.get_num_threads()} threads, {kernel}")
     with torch.inference_mode():
         for rows in args.rows:

@@ -308,16 +308,20 @@ def test_bfloat16_weights_match_generate_on_the_same_weights(bf16_runner, prompt
 @pytest.mark.model
 def test_bfloat16_decode_rows_either_side_of_the_kernel_give_the_same_answers(bf16_runner, prompts, same_weights_model,
                                                                               monkeypatch):
-    """18 sequences, with BF16W_ROWS at 8 for the test: without native bfloat16, steps of 9 to 18
-    decode rows run oneDNN's float32 copy of the bfloat16 weights, steps of 2 to 8 foreserve's
-    kernel on the packed panels, steps of 1 its dot products; every answer is the one it gives
-    alone. With native bfloat16 every step runs oneDNN's bfloat16 kernels, whose rows are rounded to
-    bfloat16: every answer is the one it gives alone up to a near-tie."""
-    from app.engine.model import cpu_linear, cpu_ops
-    from app.engine.model.cpu_linear import native_bf16
+    """18 sequences, with foreserve's kernels taking up to 8 rows for the test (``BF16Linear.rows``
+    and ``CpuOps.fused_rows``): steps of 2 to 8 decode rows run its kernel on the packed panels, steps
+    of 1 its dot products, and steps of 9 to 18 oneDNN: without native bfloat16 its float32 copy of
+    the bfloat16 weights, and every answer is the one it gives alone; with native bfloat16 its
+    bfloat16 kernels, whose rows are rounded to bfloat16 (with AMX they take every step), and every
+    answer is the one it gives alone up to a near-tie."""
+    import dataclasses
 
-    monkeypatch.setattr(cpu_linear, "BF16W_ROWS", 8)
-    monkeypatch.setattr(cpu_ops, "BF16W_ROWS", 8)
+    from app.engine.model.cpu_linear import BF16Linear, native_bf16
+
+    for f in bf16_runner.packed.values():
+        if isinstance(f, BF16Linear):
+            monkeypatch.setattr(f, "rows", 8)
+    monkeypatch.setattr(bf16_runner, "ops", dataclasses.replace(bf16_runner.ops, fused_rows=min(8, bf16_runner.ops.fused_rows)))
     alone = [play_engine(bf16_runner, [Seq("x", p, GREEDY)])["x"] for p in prompts]
     seqs = [Seq(f"{i}-{k}", prompts[i], GREEDY, start_step=k) for k in range(6) for i in range(3)]
     out = play_engine(bf16_runner, seqs)
@@ -330,18 +334,19 @@ def test_bfloat16_decode_rows_either_side_of_the_kernel_give_the_same_answers(bf
 
 @pytest.mark.model
 def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits(bf16_runner, prompts):
-    """Without native bfloat16, a decode step of up to BF16W_ROWS rows runs each layer in one C++
-    call (csrc/decode_layer.cpp): the same kernels in the same order as the Python forward, so the
+    """Where foreserve's kernels take few rows (``bf16_kernel_rows``: all but AMX CPUs), a decode step of
+    up to that many rows runs each layer in one C++ call (csrc/decode_layer.cpp): the same kernels in the same order as the Python forward, so the
     logits and the K/V it stores are the same to the bit. Steps with a prefill run the Python forward."""
     import dataclasses
 
-    from app.engine.model.cpu_linear import native_bf16
+    from app.engine.model.cpu_linear import bf16_kernel_rows
     from app.engine.model.cpu_ops import takes_fused_layers
 
     r = bf16_runner
-    if native_bf16():
-        assert r.ops.decode_layer is None  # oneDNN's bfloat16 kernels run the linears
+    if bf16_kernel_rows() == 0:
+        assert r.ops.decode_layer is None  # oneDNN's bfloat16 kernels (AMX) run the linears
         return
+    assert r.ops.fused_rows == bf16_kernel_rows() >= len(prompts)
     assert r.ops.decode_layer is not None and len(r.ops.layer_weights) == 30
     lens = [len(p) for p in prompts]
     tables = [list(range(sum(-(-n // BLOCK) for n in lens[:i]), sum(-(-n // BLOCK) for n in lens[:i + 1])))
@@ -351,7 +356,7 @@ def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits
                                for i, p in enumerate(prompts)]))  # the prompts' K/V but their last token
         decode = [ScheduledChunk(f"p{i}", p[-1:], len(p) - 1, tables[i], True, GREEDY, 0) for i, p in enumerate(prompts)]
         step = r._prepare(decode)
-        assert takes_fused_layers(step)
+        assert takes_fused_layers(step, r.ops.fused_rows)
         kv = r.k_cache.clone(), r.v_cache.clone()
         fused = r._forward(step)
         kv_fused = r.k_cache.clone(), r.v_cache.clone()
@@ -363,4 +368,4 @@ def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits
             r.ops = ops
     assert torch.equal(fused, plain) and torch.equal(kv_fused[0], r.k_cache) and torch.equal(kv_fused[1], r.v_cache)
     assert fused.argmax(-1).tolist() != [] and not takes_fused_layers(r._prepare(decode[:1] + [
-        ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]))
+        ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]), r.ops.fused_rows)

@@ -96,15 +96,16 @@ def test_on_short_lived_thread_returns_reraises_and_ends_its_thread():
         on_short_lived_thread(broken)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17, 96, 97])  # the kernel's tiles of 6 rows, either side of BF16W_ROWS
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17, 96, 97])  # the kernel's tiles of 6 rows, either side of its limits
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
-    """bfloat16 weights, float32 rows: the kernels (one row: dot products; more: the packed panels)
-    and oneDNN's float32 copy (more than BF16W_ROWS rows) all give the float32 product with the
-    bfloat16-rounded weights. On a CPU with native bfloat16
-    both are oneDNN's bfloat16 kernel instead, whose rows go in and come out rounded to bfloat16."""
+    """bfloat16 weights, float32 rows: foreserve's kernels (one row: dot products; more: the packed
+    panels), up to ``bf16_kernel_rows()`` rows, and oneDNN's float32 copy past them on a CPU without
+    native bfloat16, all give the float32 product with the bfloat16-rounded weights. Past them on a
+    CPU with native bfloat16 (and at every row count with AMX), oneDNN's bfloat16 kernel runs
+    instead, whose rows go in and come out rounded to bfloat16."""
     from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
-    from app.engine.model.cpu_linear import fast_linear, linear, native_bf16
+    from app.engine.model.cpu_linear import BF16Linear, bf16_kernel_rows, fast_linear, linear, native_bf16
 
     torch.manual_seed(rows)
     module = torch.nn.Linear(100, 36, bias=bias).to(torch.bfloat16)  # 100: not a multiple of 8
@@ -112,10 +113,24 @@ def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
     want = torch.nn.functional.linear(x.double(), module.weight.double(),
                                       None if module.bias is None else module.bias.double())
     fast = fast_linear(module, bf16_linear_op(), bf16_pack_op())
-    assert fast is not None and (native_bf16() or fast.packed is not None)
-    exact = {"rtol": 2e-2, "atol": 5e-2} if native_bf16() else {"rtol": 1e-5, "atol": 1e-5}
+    limit = bf16_kernel_rows()
+    assert fast is not None and isinstance(fast, BF16Linear) == (limit > 0)
+    assert limit == 0 or (fast.rows == limit and fast.packed is not None)
+    float32_math = rows <= limit or not native_bf16()
+    exact = {"rtol": 1e-5, "atol": 1e-5} if float32_math else {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(linear(module, x, fast).double(), want, **exact)
     torch.testing.assert_close(linear(module, x).double(), want, rtol=2e-2, atol=5e-2)  # plain: bf16 math
+
+
+@pytest.mark.parametrize(("native", "amx", "rows"), [(False, False, 96), (True, False, 16), (True, True, 0)])
+def test_bf16_kernel_rows_follow_the_cpu(monkeypatch, native, amx, rows):
+    """foreserve's kernels take bfloat16 linears of up to 96 rows without native bfloat16 (AVX2), up
+    to 16 with AVX512-BF16 but no AMX (oneDNN's bfloat16 kernels past that), none with AMX."""
+    from app.engine.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
+    monkeypatch.setattr(cpu_linear, "amx", lambda: amx)
+    assert cpu_linear.bf16_kernel_rows() == rows
 
 
 def test_fuse_rows_stacks_outputs_and_leaves_views():

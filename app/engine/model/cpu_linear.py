@@ -23,6 +23,12 @@ SKINNY_ROWS = 128
 # AVX2), against oneDNN's prepacked float32, two runs: 1.7-2.7x faster at 1-4 rows, 1.2-1.6x at 8-64,
 # 1.0-1.2x at 96, 0.6-1.0x at 512 (``python -m loadtests.bench.linear_microbench``; docs/engine.md).
 BF16W_ROWS = 96
+# Up to this many rows, the same kernels serve on a CPU with AVX512-BF16 but no AMX, where oneDNN's
+# bfloat16 kernels take more. Whole decode steps of SmolLM2-135M, 2 threads, 512 cached tokens, AMD
+# EPYC (Zen 4), against oneDNN's bfloat16 kernels, two runs: 1.1-1.6x the tokens/s at 1-8 rows, level
+# at 16, 0.9x at 24-64 (``python -m loadtests.bench.runner_microbench``; docs/engine.md). With AMX,
+# oneDNN's kernels take every row count (they ran batch 1 level with llama.cpp and batch 8 at 2.9x it).
+NATIVE_BF16W_ROWS = 16
 
 FastLinear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,6 +66,25 @@ def native_bf16() -> bool:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (``amx_bf16`` among /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def bf16_kernel_rows() -> int:
+    """Up to how many rows foreserve's kernels run a bfloat16 linear on this CPU (0: never):
+    ``BF16W_ROWS`` without native bfloat16, ``NATIVE_BF16W_ROWS`` with AVX512-BF16 (or AVX-NE-CONVERT)
+    but no AMX, 0 with AMX."""
+    if not native_bf16():
+        return BF16W_ROWS
+    return 0 if amx() else NATIVE_BF16W_ROWS
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -102,50 +127,59 @@ def prepack(module: torch.nn.Module) -> torch.Tensor | None:
 
 
 class BF16Linear:
-    """A linear with bfloat16 weights on a CPU without native bfloat16: up to ``BF16W_ROWS`` rows,
-    foreserve's kernel (``linear_bf16w``: the weights as stored for 1 row, their packed panels,
-    ``packed``, for more); more rows, oneDNN's float32 prepacked copy of the same bfloat16-rounded
-    values (``dense``), so the answer does not depend on which path a step took beyond float32's
-    summation order. Two more copies of the weights in memory: the packed panels (as many bytes as
-    the weights) and the float32 copy (twice as many)."""
+    """A linear with bfloat16 weights: up to ``rows`` rows, foreserve's kernel (``linear_bf16w``: the
+    weights as stored for 1 row, their packed panels, ``packed``, for more); more rows, ``dense``.
+
+    Without native bfloat16, ``dense`` is oneDNN's float32 prepacked copy of the same bfloat16-rounded
+    values, so the answer does not depend on which path a step took beyond float32's summation order;
+    two more copies of the weights in memory: the packed panels (as many bytes as the weights) and the
+    float32 copy (twice as many). With native bfloat16, ``dense`` is oneDNN's bfloat16 kernel, whose
+    rows are rounded to bfloat16 (one more copy: its prepacked weights)."""
 
     def __init__(self, op: Callable, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
-                 dense: FastLinear) -> None:
-        self.op, self.weight, self.packed, self.bias, self.dense = op, weight, packed, bias, dense
+                 dense: FastLinear, rows: int) -> None:
+        self.op, self.weight, self.packed, self.bias, self.dense, self.rows = op, weight, packed, bias, dense, rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= BF16W_ROWS:
+        if x.shape[0] <= self.rows:
             return self.op(x, self.weight, self.bias, self.packed)
         return self.dense(x)
 
 
 def fast_linear(module: torch.nn.Module, bf16_op: Callable | None = None,
-                bf16_pack: Callable | None = None) -> FastLinear | None:
+                bf16_pack: Callable | None = None, bf16_rows: int | None = None) -> FastLinear | None:
     """The fastest way to apply a plain CPU ``nn.Linear`` to float32 rows, as a function of them; None
     where there is none better than ``linear``'s plain path (e.g. a TP layer, or oneDNN missing).
 
     - float32 weights: oneDNN's prepacked copy.
-    - bfloat16 weights, native bfloat16: oneDNN's bfloat16 prepacked copy (rows cast to bfloat16,
-      the result back to float32).
-    - bfloat16 weights elsewhere (AVX2): a ``BF16Linear`` over ``bf16_op`` (foreserve's kernel:
-      the bfloat16 weights widened in registers, float32 products and sums) and, where given,
-      ``bf16_pack``'s packed panels of the weights for more than one row."""
+    - bfloat16 weights, given ``bf16_op`` (foreserve's kernel: the bfloat16 weights widened in
+      registers, float32 products and sums) and ``bf16_rows`` above 0 (default: ``bf16_kernel_rows()``):
+      a ``BF16Linear`` that runs it up to ``bf16_rows`` rows, with ``bf16_pack``'s packed panels of the
+      weights (where given) for more than one row; more rows go to oneDNN's bfloat16 prepacked copy
+      on a CPU with native bfloat16, else to its float32 copy of the bfloat16-rounded weights.
+    - other bfloat16 weights, native bfloat16: oneDNN's bfloat16 prepacked copy (rows cast to bfloat16,
+      the result back to float32)."""
     if not _plain_cpu_linear(module):
         return None
     w, bias = module.weight, module.bias
+    rows = bf16_kernel_rows() if bf16_rows is None else bf16_rows
+    kernel = w.dtype == torch.bfloat16 and bf16_op is not None and rows > 0
     packed = prepack(module)  # float32, or bfloat16 on a CPU with native bfloat16
     if packed is not None:
         if w.dtype == torch.float32:
             return lambda x: onednn_linear(x, packed, bias)
-        return lambda x: onednn_linear(x.to(torch.bfloat16), packed, bias).float()
-    if w.dtype != torch.bfloat16 or bf16_op is None:
+        dense = lambda x: onednn_linear(x.to(torch.bfloat16), packed, bias).float()  # noqa: E731
+        if not kernel:
+            return dense
+    elif not kernel:
         return None
     bias32 = None if bias is None else bias.detach().float()
-    w32 = w.detach().float()
-    packed32 = _pack(w32, bias32)
-    dense = (lambda x: F.linear(x, w32, bias32)) if packed32 is None else (lambda x: onednn_linear(x, packed32, bias32))
+    if packed is None:
+        w32 = w.detach().float()
+        packed32 = _pack(w32, bias32)
+        dense = (lambda x: F.linear(x, w32, bias32)) if packed32 is None else (lambda x: onednn_linear(x, packed32, bias32))
     packed_w = bf16_pack(w.detach()) if bf16_pack is not None and w.shape[1] % 2 == 0 else None  # pairs of k
-    return BF16Linear(bf16_op, w.detach(), packed_w, bias32, dense)
+    return BF16Linear(bf16_op, w.detach(), packed_w, bias32, dense, rows)
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, fast: FastLinear | torch.Tensor | None = None) -> torch.Tensor:

@@ -6,8 +6,8 @@ makes between them (slices, views, chunk, silu, mul, allocations) took 3-4 ms of
 SmolLM2-135M. ``decode_layer`` runs the same kernels in the same order from C++, so a step that
 takes it gives the same logits to the bit (``tests/unit/test_cpu_kernels.py``, ``tests/model/test_runner.py``).
 
-It applies where every linear goes through ``linear_bf16w``: bfloat16 weights on a CPU without
-native bfloat16 and at most ``BF16W_ROWS`` rows, a plain Llama layer (fused q-k-v and gate-up, SiLU,
+It applies where every linear goes through ``linear_bf16w``: bfloat16 weights on a CPU where
+foreserve's kernels take few rows (``cpu_linear.bf16_kernel_rows``) and at most that many rows, a plain Llama layer (fused q-k-v and gate-up, SiLU,
 float32 RMSNorms of one eps, no biases, no QK norms), and a step whose rows are all decode rows.
 """
 
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.model.cpu_linear import BF16W_ROWS
 from app.engine.model.step_inputs import Step
 
 # (input norm weight, qkv weight, o weight, post-attention norm weight, gate-up weight, down weight, eps)
@@ -47,22 +46,25 @@ class CpuOps:
     decode_layer: Callable | None = None  # a whole layer of a decode step...
     layer_weights: list[LayerWeights] | None = None  # ...and its arguments, by layer
     layer_packed: list[list[torch.Tensor]] | None = None  # ...and its linears' packed panels (or none), by layer
+    fused_rows: int = 0  # ...for decode steps of up to this many rows
 
 
 def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list, plain_mlp: bool,
-            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w: bool,
+            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w_rows: int,
             fast: dict[torch.nn.Module, Callable] | None = None) -> CpuOps:
-    """The ops for these layers (``bf16w``: the linears run ``linear_bf16w`` at few rows; ``fast``:
-    ``pack_layers``' functions by module, whose ``BF16Linear``s hold the packed panels)."""
+    """The ops for these layers (``bf16w_rows``: the linears run ``linear_bf16w`` up to this many
+    rows, 0 never; ``fast``: ``pack_layers``' functions by module, whose ``BF16Linear``s hold the
+    packed panels)."""
     from app.engine.model import cpu_kernels
 
     rope_store = cpu_kernels.rope_store_op() if any(fused_qkv) else None
     silu = plain_mlp and all(type(layer.mlp.act_fn) is torch.nn.SiLU for layer in layers)
-    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w and rope_store and silu else None
+    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w_rows and rope_store and silu else None
     return CpuOps(paged_decode=cpu_kernels.paged_decode_op(), rope_store=rope_store,
                   add_rms_norm=cpu_kernels.add_rms_norm_op(), silu_mul=cpu_kernels.silu_mul_op() if silu else None,
                   decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights,
-                  layer_packed=None if weights is None else layer_packed(layers, fused_qkv, fused_gate_up, fast or {}))
+                  layer_packed=None if weights is None else layer_packed(layers, fused_qkv, fused_gate_up, fast or {}),
+                  fused_rows=bf16w_rows if weights else 0)
 
 
 def layer_packed(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
@@ -97,7 +99,8 @@ def decode_layer_weights(layers: list[torch.nn.Module], fused_qkv: list, fused_g
     return weights
 
 
-def takes_fused_layers(step: Step) -> bool:
-    """Whether ``step`` is one ``decode_layer`` runs: decode rows only, few enough for ``linear_bf16w``."""
+def takes_fused_layers(step: Step, max_rows: int) -> bool:
+    """Whether ``step`` is one ``decode_layer`` runs: decode rows only, at most ``max_rows``
+    (``CpuOps.fused_rows``: those ``linear_bf16w`` takes)."""
     rows = step.input_ids.shape[0]
-    return step.decode_tables is not None and step.num_decode == rows and not step.prefills and 0 < rows <= BF16W_ROWS
+    return step.decode_tables is not None and step.num_decode == rows and not step.prefills and 0 < rows <= max_rows

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from app.config import EngineConfig
-from app.engine.model.cpu_linear import FastLinear, linear, native_bf16, pack_layers, warm_up
+from app.engine.model.cpu_linear import FastLinear, bf16_kernel_rows, linear, pack_layers, warm_up
 from app.engine.model.cpu_ops import CpuOps, cpu_ops, rms_norm_params, takes_fused_layers
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.runner import Runner
@@ -96,8 +96,9 @@ class HFRunner(Runner):
         self.fused_qkv: list[torch.nn.Linear | None] = [None] * len(self.layers)
         self.fused_gate_up: list[torch.nn.Linear | None] = [None] * len(self.layers)
         bf16_op = bf16_pack = None
+        bf16w_rows = bf16_kernel_rows() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else 0
         if config.cpu_prepacked_linears:
-            if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not native_bf16():
+            if bf16w_rows:
                 from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
 
                 bf16_op, bf16_pack = bf16_linear_op(), bf16_pack_op()
@@ -127,7 +128,7 @@ class HFRunner(Runner):
         if config.cpu_paged_attention and self.device.type == "cpu" and self.act_dtype == torch.float32 \
                 and self.kv_dtype in (torch.float32, torch.bfloat16):
             self.ops = cpu_ops(self.layers, self.fused_qkv, self.fused_gate_up, self.plain_mlp, self._rms_params,
-                               bf16w=bf16_op is not None, fast=self.packed)
+                               bf16w_rows=bf16w_rows if bf16_op is not None else 0, fast=self.packed)
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: str | torch.dtype) -> int:
@@ -170,7 +171,7 @@ class HFRunner(Runner):
         last = len(self.layers) - 1
         pk = self.packed.get
         delta = None  # a sublayer's output, added to h where the next norm reads it
-        fused = self.ops.decode_layer is not None and takes_fused_layers(step)
+        fused = self.ops.decode_layer is not None and takes_fused_layers(step, self.ops.fused_rows)
         if fused:
             cos, sin = step.cos.view(T, -1), step.sin.view(T, -1)
             fused_last = step.sample_rows.numel() == T  # all rows sampled: the last layer needs no row selection

@@ -4,8 +4,9 @@
 // With few rows a linear layer is bound by the bytes of its weights: each weight is used once per
 // row. Stored in bfloat16, they are half the bytes of float32; widened to float32 in registers
 // (a bfloat16 is the top half of a float32), the products and sums stay in float32. This is the
-// bfloat16 path of CPUs without native bfloat16 instructions (AVX2): oneDNN's bfloat16 kernels
-// need AVX512-BF16, AVX-NE-CONVERT or AMX.
+// few-row bfloat16 path of CPUs without native bfloat16 instructions (AVX2), where oneDNN's bfloat16
+// kernels do not run, and of CPUs with AVX512-BF16 but no AMX, where it streams the weights faster
+// than they do (``cpu_linear.bf16_kernel_rows``).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (``linear_bf16w`` adds the bias). Threads split the output
 // features; each task walks a block of weight rows (4 for 1-2 rows of x, else 2) against up to 2 or
@@ -24,11 +25,14 @@
 
 namespace {
 
-// Prefetch this many weight rows ahead. A task's NR rows are NR short streams (k bfloat16s each,
-// 18 cache lines at k = 576): too short for the hardware prefetcher to lock on before each ends.
-// Each tile fetches, at the column it reads, the NR rows PREFETCH_ROWS on (the next tile's at NR = 4,
-// the one after at NR = 2), which keeps the reads ~PREFETCH_ROWS * k * 2 bytes behind the fetches.
-constexpr int64_t PREFETCH_ROWS = 4;
+// Prefetch this many weight rows ahead, into L2. A task's NR rows are NR short streams (k bfloat16s
+// each, 18 cache lines at k = 576): too short for the hardware prefetcher to lock on before each ends.
+// Each tile fetches, at the column it reads, the NR rows PREFETCH_ROWS on, which keeps the reads
+// ~PREFETCH_ROWS * k * 2 bytes (18 KB at k = 576) behind the fetches. One row's linears of a decode
+// step (SmolLM2-135M, 269 MB, 2 threads, AMD EPYC Zen 4; ``python -m loadtests.bench.linear_bandwidth``):
+// 4 rows ahead into L1 read 16-20 GB/s; 12-24 rows ahead into L2 read 26-37 GB/s, as fast as a plain
+// sum over as many bytes (26-33 GB/s). L2 holds many more misses in flight than L1.
+constexpr int64_t PREFETCH_ROWS = 16;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -64,7 +68,7 @@ inline void tile(const float* x, const float* xe, const float* xo, int64_t k2, c
     __m256 we[NR], wo[NR];
     if (m0 == 0)  // the rows PREFETCH_ROWS on, at this column (once per weight block)
       for (int j = 0; j < NR; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + PREFETCH_ROWS + j) * k + 2 * kk), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + PREFETCH_ROWS + j) * k + 2 * kk), _MM_HINT_T1);
     for (int j = 0; j < NR; ++j) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + j) * k + 2 * kk));
       we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
