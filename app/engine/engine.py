@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.clock import Clock, WallClock
 from app.engine.faults import FaultFile
 from app.engine.kv.allocation import make_policy
 from app.engine.kv.pool import KVPool
-from app.engine.outputs import RequestOutput
+from app.engine.outputs import EngineStats, RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
@@ -26,24 +25,6 @@ logger = logging.getLogger(__name__)
 
 class RequestRejected(ValueError):
     """The request can never run on this engine (too long for the model or the KV pool)."""
-
-
-@dataclass
-class EngineStats:
-    steps: int
-    forward_s: float
-    wall_s: float
-    output_tokens: int
-    preemptions: int
-    overflow_preemptions: int
-    recomputed_tokens: int
-    mean_running_batch: float
-    peak_kv_used_tokens: int
-    kv_capacity_tokens: int
-    kv_used_tokens: int
-    num_waiting: int
-    num_running: int
-    predictor_fallbacks: int = 0
 
 
 class LLMEngine:

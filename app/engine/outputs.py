@@ -1,5 +1,5 @@
 """The typed hand-offs of a step: scheduler -> runner (``SchedulerOutput``), runner -> scheduler
-(``ModelRunnerOutput``), engine -> caller (``RequestOutput``)."""
+(``ModelRunnerOutput``), engine -> caller (``RequestOutput``, and ``EngineStats`` for a replica's counters)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,23 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # the request failed (finish_reason "error"): why
     retryable: bool = False  # refused, not failed: it waited past max_queue_delay_ms unstarted (429)
+
+
+@dataclass
+class EngineStats:
+    """An engine's counters since it started (``LLMEngine.stats``)."""
+
+    steps: int
+    forward_s: float
+    wall_s: float
+    output_tokens: int
+    preemptions: int
+    overflow_preemptions: int
+    recomputed_tokens: int
+    mean_running_batch: float
+    peak_kv_used_tokens: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    num_waiting: int
+    num_running: int
+    predictor_fallbacks: int = 0
