@@ -117,9 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-cpp", nargs="*", choices=("f32", "bf16", "q4_1"), default=[], metavar="DTYPE",
                     help="also run llama-batched-bench on the same weights in these GGUF dtypes (f32, bf16, q4_1; "
                     "`make llama-cpp` builds it) at the same context, batches and threads")
+    ap.add_argument("--bf16-kernel-rows", type=int, default=None, metavar="N",
+                    help="bfloat16 linears of up to N rows on foreserve's kernels, more on oneDNN's (default: this "
+                         "CPU's, cpu_linear.bf16_kernel_rows; 0: none). For an A/B; AMX CPUs always take oneDNN's")
     ap.add_argument("--json", metavar="FILE", help="write the side-by-side table as JSON")
     args = ap.parse_args(argv)
+    if args.bf16_kernel_rows is not None and args.bf16_kernel_rows < 0:
+        ap.error("--bf16-kernel-rows must be >= 0")
     process_defaults()  # NOTE: a command of its own (offline hub), before transformers is imported
+    if args.bf16_kernel_rows is not None:
+        from app.engine.model import cpu_linear
+
+        cpu_linear.BF16W_ROWS = cpu_linear.NATIVE_BF16W_ROWS = args.bf16_kernel_rows
 
     rows = [_foreserve_rows(args, d) for d in args.dtype]
     for dtype in args.llama_cpp:
