@@ -25,8 +25,8 @@ SKINNY_ROWS = 128
 BF16W_ROWS = 96
 # Up to this many rows, the same kernels serve on a CPU with AVX512-BF16 but no AMX, where oneDNN's
 # bfloat16 kernels take more. Whole decode steps of SmolLM2-135M, 2 threads, 512 cached tokens, AMD
-# EPYC (Zen 4), against oneDNN's bfloat16 kernels, two runs: 1.1-1.6x the tokens/s at 1-8 rows, level
-# at 16, 0.9x at 24-64 (``python -m loadtests.bench.runner_microbench``; docs/engine.md). With AMX,
+# EPYC (Zen 4), against oneDNN's bfloat16 kernels, two runs: 1.1-2.0x the tokens/s at 1-8 rows, level
+# at 16, 0.7-1.06x at 24-64 (``runner_microbench --bf16-kernel-rows``; docs/benchmarks/llama-cpp.md). With AMX,
 # oneDNN's kernels take every row count (they ran batch 1 level with llama.cpp and batch 8 at 2.9x it).
 NATIVE_BF16W_ROWS = 16
 
