@@ -14,7 +14,8 @@ from app.engine.outputs import EngineStats, RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
-from app.engine.shedding import EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps, own_prefill_steps
+from app.engine.shedding import (EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps, own_prefill_steps,
+                                 prompt_room)
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
 from predictor.base import LengthPredictor, MaxPredictor
@@ -212,9 +213,8 @@ class LLMEngine:
         if not self.scheduler.waiting:
             return []
         step_s = self.scheduler.recent_step_s or 0.0  # NOTE: no pace yet (warm-up): the wait alone
-        running, budget = self.scheduler.running, self.scheduler.step_token_budget()
-        return self.shedder.late(self.scheduler.waiting, self.clock(),
-                                 lambda r: own_prefill_steps(r, running, budget) * step_s)
+        room = prompt_room(self.scheduler.running, self.scheduler.step_token_budget())  # once a step, not per request
+        return self.shedder.late(self.scheduler.waiting, self.clock(), lambda r: own_prefill_steps(r, room) * step_s)
 
     def _refuse(self, req: Request) -> RequestOutput:
         """Refuse an admitted request whose first token can no longer come within

@@ -90,10 +90,11 @@ def prefill_steps(new: Request, running: Iterable[Request], waiting: Iterable[Re
     return math.ceil((ahead + new.num_tokens) / prompt_room(running, budget))
 
 
-def own_prefill_steps(req: Request, running: Iterable[Request], budget: int) -> int:
+def own_prefill_steps(req: Request, room: int) -> int:
     """Steps to compute ``req``'s prompt alone once started (``prefill_steps`` without the prompts
-    ahead): the least time to its first token from its start."""
-    return math.ceil(req.num_tokens / prompt_room(running, budget))
+    ahead), at ``room`` prompt tokens a step (``prompt_room``): the least time to its first token
+    from its start."""
+    return math.ceil(req.num_tokens / room)
 
 
 def prompt_room(running: Iterable[Request], budget: int) -> int:
