@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = step_shapes(paths.model_dir())
     modules = [torch.nn.Linear(i, o, bias=False).to(torch.bfloat16).requires_grad_(False) for o, i in shapes]
     limit = bf16_kernel_rows()
-    fast = [fast_linear(m, bf16_linear_op(), bf16_pack_op()) if limit else fast_linear(m) for m in modules]
+    fast = [fast_linear(m, bf16_linear_op(), bf16_pack_op()) for m in modules]  # the kernels up to ``limit`` rows
     nbytes = sum(o * i * 2 for o, i in shapes)
     above = "oneDNN bfloat16" if native_bf16() else "float32 copies"
     kernel = ("oneDNN bfloat16" if not limit else f"foreserve's bfloat16 kernel up to {limit} rows, {above} above") \

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -42,19 +43,24 @@ PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 LinearBF16W = Callable[..., torch.Tensor]
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """The first line of /proc/cpuinfo that lists this CPU's instruction-set flags (``flags`` on
+    x86, ``Features`` on Arm), or "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_tag() -> str:
     """A short name for this CPU's instruction set (the build uses ``-march=native``), Python, torch
     and this checkout's sources (torch's loader does not tell builds for two environments apart, and
     two checkouts sharing one folder would rebuild it whenever the other had built last)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    key = f"{flags}|{sys.version_info[:2]}|{torch.__version__}|{SOURCES[0].parent.resolve()}"
+    key = f"{cpu_flags()}|{sys.version_info[:2]}|{torch.__version__}|{SOURCES[0].parent.resolve()}"
     return f"{platform.machine()}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from app.engine.model.cpu_kernels import cpu_flags
+
 # Up to this many rows, a float32 CPU linear runs as (W @ x^T)^T: MKL's sgemm handles the skinny
 # operand far better that way round than as x @ W^T. Whole decode steps of SmolLM2-135M, measured
 # here: 1.8x faster at batch 2-4, 1.15x at 8-32, even at 128; prefill chunks of 256+ rows lose.
@@ -68,14 +70,9 @@ def native_bf16() -> bool:
         return False
 
 
-@functools.cache
 def amx() -> bool:
     """Whether this CPU has AMX's bfloat16 tiles (``amx_bf16`` among /proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_flags().split()
 
 
 def bf16_kernel_rows() -> int:
