@@ -4,8 +4,9 @@ on the same machine, back to back, at each rate; medians of repeats, the order a
 llama-server runs the served weights as a GGUF (``loadtests/bench/llama_cpp.py``) with one unified
 KV cache and a fixed number of slots, and starts afresh for every run (it has no /health that says
 it is idle). foreserve runs the given serve_config.yaml, its online pool aimed at the test's SLOs,
-optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,100``: the throughput knee,
-and steps sized for 100 ms). One service per variant and repeat serves every rate.
+optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,knee:0.75,100``: the throughput
+knee, the knee at 75% of the best throughput, and steps sized for 100 ms) and a ``torch_threads`` (``--online-threads 1,2``: every target at each
+count). One service per variant and repeat serves every rate.
 
 Requests a system refuses (foreserve's 429 + ``Retry-After`` when its online queue passes
 ``max_queue_delay_ms``) count as failures: they lower SLO attainment and goodput, and they are not in
@@ -31,14 +32,29 @@ TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("good_
            ("ttft_p90_ms", "lower", 1.0))
 
 
-def variant_name(tpot_target: str) -> str:
-    return "foreserve" if tpot_target == "knee" else f"foreserve tpot {tpot_target} ms"
+Variant = tuple[str, int | None]  # (`knee` or tpot_target_ms, the online pool's torch_threads or None: the config's)
 
 
-def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec) -> Path:
+def variant_name(tpot_target: str, threads: int | None = None) -> str:
+    if tpot_target == "knee":
+        name = "foreserve"
+    elif tpot_target.startswith("knee:"):
+        name = f"foreserve knee {tpot_target[5:]}"
+    else:
+        name = f"foreserve tpot {tpot_target} ms"
+    return name if threads is None else f"{name} {threads} thread{'s' if threads > 1 else ''}"
+
+
+def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec, threads: int | None = None) -> Path:
     """``source`` with the online pool aimed at the test's SLOs and, unless ``tpot_target`` is
-    ``knee``, its ``tpot_target_ms`` set."""
-    online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
+    ``knee``, its ``tpot_target_ms`` set (``knee:F``: its ``knee_throughput_fraction``); with
+    ``threads``, its ``torch_threads``."""
+    if tpot_target.startswith("knee:"):
+        online = {"knee_throughput_fraction": float(tpot_target[5:])}
+    else:
+        online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
+    if threads is not None:
+        online["torch_threads"] = threads
     return scheduler_config(source, out, None, spec.slos["online"], online=online)
 
 
@@ -74,10 +90,10 @@ def _llama_runs(spec, rates, duration_s, report, rep, llama: dict) -> dict[float
     return got
 
 
-def _foreserve_runs(spec, rates, duration_s, report, rep, config: Path, tpot_target: str) -> dict[float, dict]:
-    name = variant_name(tpot_target)
+def _foreserve_runs(spec, rates, duration_s, report, rep, config: Path, variant: Variant) -> dict[float, dict]:
+    name = variant_name(*variant)
     out = report / name.replace(" ", "_")
-    service = Service(variant_config(config, out / "serve_config.yaml", tpot_target, spec), out / f"service_{rep}.log")
+    service = Service(variant_config(config, out / "serve_config.yaml", variant[0], spec, variant[1]), out / f"service_{rep}.log")
     got = {}
     try:
         warm_up(service.url)
@@ -91,21 +107,21 @@ def _foreserve_runs(spec, rates, duration_s, report, rep, config: Path, tpot_tar
 
 
 def run_peer(spec: LoadSpec, rates: list[float], duration_s: float, report: Path, config: Path,
-             tpot_targets: list[str], llama: dict, repeats: int = 1) -> dict:
+             variants: list[Variant], llama: dict, repeats: int = 1) -> dict:
     """Every system at every rate, ``repeats`` times (the order reversed on odd repeats); writes
     peer.json after each system's runs (a sweep cut short keeps what it measured) and returns it."""
-    systems = [LLAMA] + [variant_name(t) for t in tpot_targets]
+    systems = [LLAMA] + [variant_name(*v) for v in variants]
     runs: dict[str, dict[float, list[dict]]] = {s: {r: [] for r in rates} for s in systems}
     meta = {"systems": systems, "rates": rates, "duration_s": duration_s, "repeats": repeats, "llama_server": llama,
             "slo": {t: s.model_dump() for t, s in spec.slos.items()}, "max_tokens": spec.max_tokens}
     report.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     for rep in range(repeats):
-        order = [None, *tpot_targets]
-        for target in (order if rep % 2 == 0 else order[::-1]):
-            got = (_llama_runs(spec, rates, duration_s, report, rep, llama) if target is None
-                   else _foreserve_runs(spec, rates, duration_s, report, rep, config, target))
-            name = LLAMA if target is None else variant_name(target)
+        order = [None, *variants]
+        for variant in (order if rep % 2 == 0 else order[::-1]):
+            got = (_llama_runs(spec, rates, duration_s, report, rep, llama) if variant is None
+                   else _foreserve_runs(spec, rates, duration_s, report, rep, config, variant))
+            name = LLAMA if variant is None else variant_name(*variant)
             for rate, figures in got.items():
                 runs[name][rate].append(figures)
                 print(f"{name} rate {rate:g} run {rep}: {json.dumps(figures)}", flush=True)

@@ -92,21 +92,28 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if args.mode != "open":
         raise ValueError("loadtest peer runs open-loop arrivals (a rate sweep); drop --mode closed")
     for t in args.tpot_targets:
-        if t != "knee" and not (t.replace(".", "", 1).isdigit() and float(t) > 0):
-            raise ValueError(f"--tpot-targets: {t!r} is neither `knee` nor a step time in ms")
+        fraction = t[5:] if t.startswith("knee:") else None
+        if fraction is not None and not (fraction.replace(".", "", 1).isdigit() and 0 < float(fraction) <= 1):
+            raise ValueError(f"--tpot-targets: {t!r}: a knee's throughput fraction is above 0 and at most 1")
+        if t != "knee" and fraction is None and not (t.replace(".", "", 1).isdigit() and float(t) > 0):
+            raise ValueError(f"--tpot-targets: {t!r} is neither `knee`, `knee:FRACTION` nor a step time in ms")
     if args.slots < 1 or args.ctx_tokens < 1:
         raise ValueError("--slots and --ctx-tokens must be >= 1")
     if any(r <= 0 for r in args.rates) or len(set(args.rates)) < len(args.rates):
         raise ValueError(f"--rates must be distinct rates above 0, got {','.join(f'{r:g}' for r in args.rates)}")
     if len(set(args.tpot_targets)) < len(args.tpot_targets):
         raise ValueError(f"--tpot-targets names a variant twice: {','.join(args.tpot_targets)}")
+    threads = args.online_threads or [None]
+    if args.online_threads and (min(threads) < 1 or len(set(threads)) < len(threads)):
+        raise ValueError(f"--online-threads must be distinct counts >= 1, got {','.join(map(str, threads))}")
+    variants = [(t, n) for t in args.tpot_targets for n in threads]
     spec = _spec(args)
     if spec.tier_mix.get("online", 0) <= 0:
         raise ValueError("loadtest peer compares the online tier: give --tier-mix an online share")
     llama = {"dtype": args.llama_cpp, "slots": args.slots, "ctx_tokens": args.ctx_tokens,
              "threads": args.threads or os.cpu_count() or 1}
     result = run_peer(spec, args.rates, args.duration, Path(args.report), Path(args.config or DEFAULT_CONFIG_PATH),
-                      args.tpot_targets, llama, args.repeats)
+                      variants, llama, args.repeats)
     keys = ("ttft_p90_ms", "tpot_p50_ms", "mean_e2e_ms", "slo_attainment", "good_per_window_rps", "output_tokens_per_s",
             "failures")
     print(f"\nmedians of {args.repeats}; TTFT p90, TPOT p50 and mean E2E of the answered requests; goodput "
@@ -200,15 +207,19 @@ def add_parser(sub) -> None:
     q = lsub.add_parser("peer", help="the same online load against foreserve and llama.cpp's llama-server, back to back",
                         description="At each rate of --rates, the same prompts at the same Poisson arrival times "
                         "against llama-server (`make llama-cpp` builds it; a fresh server per run, the served weights "
-                        "as a GGUF) and against a service started from --config, once per --tpot-targets variant; "
+                        "as a GGUF) and against a service started from --config, once per --tpot-targets (and --online-threads) variant; "
                         "medians of --repeats (the order alternates). Prints each system's figures and the online "
                         "targets against llama-server (TPOT p50, mean E2E, TTFT p90 no higher; goodput 1.5x), "
                         "writes peer.json, peer.png and every run's report.")
     _load_options(q)
     _sweep_options(q, [1.0, 1.5], "reports/loadtest_peer", "repeat every system (order alternates)")
     q.add_argument("--tpot-targets", type=lambda s: s.split(","), default=["knee"],
-                   help="foreserve variants: `knee` (the config's step policy) or the online pool's tpot_target_ms, "
-                   "e.g. knee,100 (default knee)")
+                   help="foreserve variants: `knee` (the config's step policy), `knee:F` (the knee at F of the best "
+                   "throughput, knee_throughput_fraction) or the online pool's tpot_target_ms, e.g. knee,knee:0.75,100 "
+                   "(default knee)")
+    q.add_argument("--online-threads", type=lambda s: [int(n) for n in s.split(",")],
+                   help="foreserve variants: the online pool's torch_threads, e.g. 1,2; each --tpot-targets variant "
+                   "runs at each count (default: the config's)")
     q.add_argument("--llama-cpp", choices=("bf16", "f32", "q4_1"), default="bf16", help="llama-server's GGUF dtype (default bf16)")
     q.add_argument("--slots", type=int, default=8, help="llama-server's parallel slots, -np (default 8)")
     q.add_argument("--ctx-tokens", type=int, default=8192, help="llama-server's unified KV cache, -c (default 8192)")

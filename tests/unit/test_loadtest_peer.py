@@ -29,6 +29,26 @@ def test_a_variant_sets_the_online_pools_step_target_and_the_tests_slos(tmp_path
     assert [variant_name("knee"), variant_name("100")] == ["foreserve", "foreserve tpot 100 ms"]
     # nothing else of the service changes: autoscaling stays as configured
     assert "autoscaling_policy" in tight["applications"][0]
+    assert online[0]["torch_threads"] == online[1]["torch_threads"]  # the config's thread count
+
+
+def test_a_thread_variant_sets_the_online_pools_torch_threads_alone(tmp_path):
+    from app.config import DEFAULT_CONFIG_PATH
+    from loadtests.loadtest import LoadSpec
+    from loadtests.peer import variant_config, variant_name
+    from loadtests.summary import SLO
+
+    spec = LoadSpec(stages="steady:60:1", slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=2e4, tpot_ms=2500)})
+    data = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "c.yaml", "knee", spec, 2).read_text())
+    pools = data["applications"][0]["args"]["pools"]
+    source = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["applications"][0]["args"]["pools"]
+    assert pools["online"]["torch_threads"] == 2 and "tpot_target_ms" not in pools["online"]
+    assert pools["offline"] == source["offline"]
+    assert [variant_name("knee", 1), variant_name("60", 2)] == ["foreserve 1 thread", "foreserve tpot 60 ms 2 threads"]
+    low = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "d.yaml", "knee:0.7", spec).read_text())
+    online = low["applications"][0]["args"]["pools"]["online"]
+    assert online["knee_throughput_fraction"] == 0.7 and "tpot_target_ms" not in online
+    assert variant_name("knee:0.7") == "foreserve knee 0.7"
 
 
 def test_medians_skip_a_figure_a_run_lacks():
@@ -116,7 +136,15 @@ def test_a_step_target_that_is_not_a_time_is_refused_before_anything_starts(bad,
     from foreserve.cli.main import main
 
     assert main(["loadtest", "peer", "--tpot-targets", f"knee,{bad}", "--report", "/nonexistent/peer"]) == 2
-    assert f"{bad!r} is neither `knee` nor a step time in ms" in capsys.readouterr().err
+    assert f"{bad!r} is neither `knee`, `knee:FRACTION` nor a step time in ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["knee:0", "knee:1.5", "knee:x"])
+def test_a_knee_fraction_outside_0_to_1_is_refused_before_anything_starts(bad, capsys):
+    from foreserve.cli.main import main
+
+    assert main(["loadtest", "peer", "--tpot-targets", bad, "--report", "/nonexistent/peer"]) == 2
+    assert "a knee's throughput fraction is above 0 and at most 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -124,6 +152,8 @@ def test_a_step_target_that_is_not_a_time_is_refused_before_anything_starts(bad,
     (["--rates", "1,0"], "--rates must be distinct rates above 0"),
     (["--rates", "1,1"], "--rates must be distinct rates above 0"),
     (["--tpot-targets", "knee,knee"], "names a variant twice"),
+    (["--online-threads", "1,1"], "--online-threads must be distinct counts >= 1"),
+    (["--online-threads", "0,2"], "--online-threads must be distinct counts >= 1"),
     (["--tier-mix", "flex=1"], "give --tier-mix an online share"),
 ])
 def test_bad_sweeps_are_refused_before_anything_starts(args, message, capsys):
