@@ -8,6 +8,7 @@ shared between live sequences or freed too early shows up as a corrupted read.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from app.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from app.engine.runner import Runner
@@ -23,7 +24,9 @@ class FakeRunner(Runner):
     simulated = True  # the engine clock advances by step_s per step, deterministically
     eos_token_id = EOS
 
-    def __init__(self, block_size: int, step_s: float = 0.01, eos_at: dict[str, int] | None = None) -> None:
+    def __init__(self, block_size: int, step_s: float | Callable[[SchedulerOutput], float] = 0.01,
+                 eos_at: dict[str, int] | None = None) -> None:
+        """``step_s``: every step's time, or a function of the step (a cost model)."""
         self.block_size = block_size
         self.step_s = step_s
         self.eos_at = eos_at or {}  # request_id -> output length at which EOS is sampled
@@ -59,4 +62,4 @@ class FakeRunner(Runner):
                     sampled[c.request_id] = EOS
                 else:
                     sampled[c.request_id] = self.token_for(c.request_id, c.start_pos + len(c.token_ids))
-        return ModelRunnerOutput(sampled_token_ids=sampled, step_s=self.step_s)
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_s=self.step_s(out) if callable(self.step_s) else self.step_s)

@@ -115,7 +115,7 @@ class LLMEngine:
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), sampling.max_tokens)
         if self.shedder is not None and not resumed:
             steps = first_token_steps(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens)
-            self.shedder.check_admission(steps, self.scheduler.recent_step_s)
+            self.shedder.check_admission(steps, self.scheduler.recent_step_s, self.scheduler.prompt_step_s())
         self.scheduler.add(req)
         if request.detokenize and self.tokenizer is not None:
             final_only = not request.stream_text and not sampling.stop and not request.resume_emitted_chars
@@ -209,10 +209,11 @@ class LLMEngine:
 
     def _late(self) -> list[Request]:
         """The unstarted requests whose first token can no longer come within the shedding limit
-        (``LoadShedder.late``), their own prompt timed at the step budget and the recent step time."""
+        (``LoadShedder.late``), their own prompt timed at the step budget and the time of a step that
+        carries prompt chunks (``Scheduler.prompt_step_s``)."""
         if not self.scheduler.waiting:
             return []
-        step_s = self.scheduler.recent_step_s or 0.0  # NOTE: no pace yet (warm-up): the wait alone
+        step_s = self.scheduler.prompt_step_s() or 0.0  # NOTE: no pace yet (warm-up): the wait alone
         room = prompt_room(self.scheduler.running, self.scheduler.step_token_budget())  # once a step, not per request
         return self.shedder.late(self.scheduler.waiting, self.clock(), lambda r: own_prefill_steps(r, room) * step_s)
 

@@ -8,12 +8,13 @@ where the next does not:
   is otherwise taken whole before anyone has waited long; the rate is measured only over steps
   that began with a backlog, so an idle engine's pace never makes a lone request look late, and
   a pool bound by its KV (admitting one request as another ends) shows its real, slow rate.
-- the new request's first token is past the limit at the engine's recent step time
-  (``first_token_steps``): room for it, behind the waiting ones, frees too late (its KV
-  reservation and a place in the running batch, ``max_num_seqs`` or the online scheduler's TPOT
-  cap; the running answers free theirs at their predicted ends, the waiting ones, started as room
-  frees, at theirs), or the prompts ahead of it and its own take too long to compute in what each
-  step's token budget leaves after the running answers' decodes. The rate lags when long answers
+- the new request's first token is past the limit (``first_token_steps``), at the engine's recent
+  step time: room for it, behind the waiting ones, frees too late (its KV reservation and a place
+  in the running batch, ``max_num_seqs`` or the online scheduler's TPOT cap; the running answers
+  free theirs at their predicted ends, the waiting ones, started as room frees, at theirs), or the
+  prompts ahead of it and its own take too long to compute in what each step's token budget
+  leaves after the running answers' decodes, each such step at the time of a full one
+  (``Scheduler.prompt_step_s``: on a CPU several times a decode-only step). The rate lags when long answers
   fill the KV or the batch, or the decodes fill the steps: it still reads the pace from before.
 
 All three estimate at admission, and steps that slow down after it (more answers in the batch,
@@ -104,15 +105,16 @@ def prompt_room(running: Iterable[Request], budget: int) -> int:
     return max(1, budget - decodes)
 
 
-def first_token_steps(new: Request, scheduler: Scheduler, reserve: Callable[[Request], int], capacity_tokens: int) -> int | None:
-    """Decode steps before ``new``'s first token, at the least: room for it to start
-    (``admission_wait_steps``) and its prompt computed (``prefill_steps``), whichever comes later.
-    None: it needs more than the whole pool."""
+def first_token_steps(new: Request, scheduler: Scheduler, reserve: Callable[[Request], int],
+                      capacity_tokens: int) -> tuple[int, int] | None:
+    """Steps before ``new``'s first token, at the least: (decode steps until room for it to start,
+    ``admission_wait_steps``; steps until its prompt is computed, ``prefill_steps``): it comes
+    after both. None: it needs more than the whole pool."""
     admit = admission_wait_steps(new, scheduler.waiting, scheduler.running, reserve, capacity_tokens,
                                  scheduler.max_running())
     if admit is None:
         return None
-    return max(admit, prefill_steps(new, scheduler.running, scheduler.waiting, scheduler.step_token_budget()))
+    return admit, prefill_steps(new, scheduler.running, scheduler.waiting, scheduler.step_token_budget())
 
 
 def awaiting_first_token(requests: Iterable[Request]) -> Iterator[Request]:
@@ -189,14 +191,17 @@ class LoadShedder:
         for a request that came before it (a cold start's wait is not the pool's pace)."""
         return req.arrival_s if self.ready_s is None else max(req.arrival_s, self.ready_s)
 
-    def check_admission(self, wait_steps: int | None, step_s: float | None) -> None:
-        """Raise ``EngineOverloaded`` if a new request's first token is ``wait_steps`` decode steps
-        away (``first_token_steps``) at the recent ``step_s`` (the scheduler's ``recent_step_s``)
-        and that is past the limit."""
+    def check_admission(self, wait_steps: tuple[int, int] | None, step_s: float | None,
+                        prompt_step_s: float | None = None) -> None:
+        """Raise ``EngineOverloaded`` if a new request's first token is past the limit: ``wait_steps``
+        (``first_token_steps``) are the decode steps until room for it, at the recent ``step_s``
+        (the scheduler's ``recent_step_s``), and the steps until its prompt is computed, each at
+        ``prompt_step_s`` (``Scheduler.prompt_step_s``: such a step is full; default ``step_s``)."""
         # NOTE: no pace before the warm-up steps are past; None: more than the whole pool (refused as too long)
         if step_s is None or not wait_steps:
             return
-        wait_s = wait_steps * step_s
+        admit, prefill = wait_steps
+        wait_s = max(admit * step_s, prefill * max(step_s, prompt_step_s or 0.0))
         if wait_s > self.limit_s:
             raise EngineOverloaded(f"this request's first token is about {wait_s:.1f} s away (room for it frees at the "
                                    f"running answers' predicted ends; the prompts ahead of it are computed in what "

@@ -263,6 +263,29 @@ def test_new_requests_are_shed_when_the_prompts_ahead_take_past_the_queue_delay(
     assert engine.scheduler.requests["short prompt"].num_output_tokens == 1  # as estimated
 
 
+def test_a_long_prompt_behind_decodes_is_priced_at_the_time_of_a_full_step():
+    """Steps that carry prompt chunks take longer than the decode-only steps that set the recent
+    step time (10 ms + 1 ms a token here: 18 ms for 8 decodes, 74 ms at the 64-token budget). An
+    1,800-token prompt behind 8 decodes is 33 steps of 56 prompt tokens: 2.4 s at the full step's
+    time, past the limit, where the recent pace said 0.6 s and let it in (a served 841-token prompt
+    started at once got its first token after 3.5 s)."""
+    from app.engine.engine import EngineOverloaded
+
+    engine = make_engine("reserve_predicted", "online", kv_tokens=16384, max_num_batched_tokens=64,
+                         max_queue_delay_ms=2000, step_s=lambda out: 0.010 + 0.001 * out.num_tokens)
+    for i in range(8):
+        add(engine, f"long{i}", 16, 400, predicted=400)
+    for _ in range(40):
+        engine.step()
+    assert engine.scheduler.recent_step_s == pytest.approx(0.018, rel=0.05)
+    with pytest.raises(EngineOverloaded, match=r"first token is about 2\.\d s away"):
+        add(engine, "long prompt", 1800, 10, predicted=10)
+    add(engine, "short prompt", 200, 10, predicted=10)  # 4 steps of 74 ms: taken
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.requests["short prompt"].num_output_tokens == 1
+
+
 def run_recording_first_tokens(engine) -> tuple[dict[str, list], dict[str, float]]:
     """Step ``engine`` until done: each request's outputs, and the clock at its first token."""
     firsts: dict[str, float] = {}

@@ -69,6 +69,11 @@ class Scheduler:
     def max_running(self) -> int:
         return self.config.max_num_seqs
 
+    def prompt_step_s(self) -> float | None:
+        """Seconds of a step that carries prompt chunks (the load shedder times the prompts ahead of
+        a new request's first token by it): the recent step time, None before the warm-up is past."""
+        return self.recent_step_s
+
     def observe_step(self, num_tokens: int, step_s: float) -> None:
         """Feedback after each step: the recent step time, which the online scheduler's aging and
         the load shedder read, past a replica's first ``WARMUP_STEPS`` (the online scheduler also

@@ -108,6 +108,19 @@ class StepTimeModel:
         return int(x_last * step_s / t_last + 1e-6)
 
 
+    def time_at(self, tokens: float) -> float | None:
+        """The step time the curve gives for ``tokens`` (None until measured): interpolated between
+        sizes measured, proportional to tokens below the smallest and past the largest."""
+        if sum(self.counts) < 4:
+            return None
+        points = self.curve()
+        if tokens <= points[0][0]:
+            return points[0][1] * tokens / points[0][0]
+        for (xa, ta), (xb, tb) in zip(points, points[1:]):
+            if tokens <= xb:
+                return ta + (tb - ta) * (tokens - xa) / (xb - xa)
+        return points[-1][1] * tokens / points[-1][0]
+
     def knee_tokens(self, limit: int, fraction: float) -> int | None:
         """The fewest tokens a step may carry and still run at ``fraction`` of the best throughput
         (tokens per second of step) measured at up to ``limit`` tokens; None until measured.
@@ -181,6 +194,13 @@ class OnlineScheduler(Scheduler):
         # to one, not let it grow to MIN_STEP_TOKENS.
         cap = self._tpot_cap()
         return self.config.max_num_seqs if cap is None else max(1, min(self.config.max_num_seqs, cap))
+
+    def prompt_step_s(self) -> float | None:
+        # NOTE: a step that carries a prompt chunk is full (decodes, then prompt tokens up to the
+        # budget), and on a CPU takes several times the decode-only steps that set the recent mean
+        step_s = self.step_model.time_at(self.step_token_budget())
+        recent = self.recent_step_s
+        return recent if step_s is None else max(step_s, recent or 0.0)
 
     def must_wait_for(self, req: Request) -> bool:
         return self.clock() - req.arrival_s > 0.5 * self.config.ttft_slo_ms / 1000.0
