@@ -4,9 +4,10 @@ on the same machine, back to back, at each rate; medians of repeats, the order a
 llama-server runs the served weights as a GGUF (``loadtests/bench/llama_cpp.py``) with one unified
 KV cache and a fixed number of slots, and starts afresh for every run (it has no /health that says
 it is idle). foreserve runs the given serve_config.yaml, its online pool aimed at the test's SLOs,
-optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,knee:0.75,100``: the throughput
-knee, the knee at 75% of the best throughput, and steps sized for 100 ms) and a ``torch_threads`` (``--online-threads 1,2``: every target at each
-count). One service per variant and repeat serves every rate.
+optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,knee:0.75,100``: the
+throughput knee, the knee at 75% of the best throughput, and steps sized for 100 ms) and a
+``torch_threads`` (``--online-threads 1,2``: every target at each count). One service per variant
+and repeat serves every rate.
 
 Requests a system refuses (foreserve's 429 + ``Retry-After`` when its online queue passes
 ``max_queue_delay_ms``) count as failures: they lower SLO attainment and goodput, and they are not in
@@ -32,14 +33,15 @@ TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("good_
            ("ttft_p90_ms", "lower", 1.0))
 
 
-Variant = tuple[str, int | None]  # (`knee` or tpot_target_ms, the online pool's torch_threads or None: the config's)
+# (`knee`, `knee:F` or a tpot_target_ms; the online pool's torch_threads, or None: the config's)
+Variant = tuple[str, int | None]
 
 
 def variant_name(tpot_target: str, threads: int | None = None) -> str:
     if tpot_target == "knee":
         name = "foreserve"
     elif tpot_target.startswith("knee:"):
-        name = f"foreserve knee {tpot_target[5:]}"
+        name = f"foreserve knee {tpot_target.removeprefix('knee:')}"
     else:
         name = f"foreserve tpot {tpot_target} ms"
     return name if threads is None else f"{name} {threads} thread{'s' if threads > 1 else ''}"
@@ -50,7 +52,7 @@ def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec, th
     ``knee``, its ``tpot_target_ms`` set (``knee:F``: its ``knee_throughput_fraction``); with
     ``threads``, its ``torch_threads``."""
     if tpot_target.startswith("knee:"):
-        online = {"knee_throughput_fraction": float(tpot_target[5:])}
+        online = {"knee_throughput_fraction": float(tpot_target.removeprefix("knee:"))}
     else:
         online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
     if threads is not None:

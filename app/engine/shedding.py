@@ -14,8 +14,9 @@ where the next does not:
   free theirs at their predicted ends, the waiting ones, started as room frees, at theirs), or the
   prompts ahead of it and its own take too long to compute in what each step's token budget
   leaves after the running answers' decodes, each such step at the time of a full one
-  (``Scheduler.prompt_step_s``: on a CPU several times a decode-only step). The rate lags when long answers
-  fill the KV or the batch, or the decodes fill the steps: it still reads the pace from before.
+  (``Scheduler.prompt_step_s``: on a CPU several times a decode-only step). The rate lags when
+  long answers fill the KV or the batch, or the decodes fill the steps: it still reads the pace
+  from before.
 
 All three estimate at admission, and steps that slow down after it (more answers in the batch,
 other processes on the cores) make them late. So an admitted request that has not started (no

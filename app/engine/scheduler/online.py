@@ -107,7 +107,6 @@ class StepTimeModel:
         x_last, t_last = points[-1]
         return int(x_last * step_s / t_last + 1e-6)
 
-
     def time_at(self, tokens: float) -> float | None:
         """The step time the curve gives for ``tokens`` (None until measured): interpolated between
         sizes measured, proportional to tokens below the smallest and past the largest."""
