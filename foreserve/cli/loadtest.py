@@ -8,6 +8,16 @@ import json
 from pathlib import Path
 
 
+def _comma_separated(cast, what: str):
+    """An argparse type: a comma-separated list of ``cast`` values, named ``what`` when one is not."""
+    def parse(text: str) -> list:
+        try:
+            return [cast(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated {what}; got {text!r}") from None
+    return parse
+
+
 def _spec(args: argparse.Namespace, stages: str | None = None):
     from loadtests.loadtest import LoadSpec
     from loadtests.stages import parse_stages, parse_tier_mix
@@ -164,7 +174,7 @@ def _load_options(p, rate_default: float = 0.5) -> None:
 
 def _sweep_options(p, rates: list[float], report: str, repeats_help: str) -> None:
     """--rates, --repeats and --report of a sweep (``ab``, ``peer``)."""
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=rates,
+    p.add_argument("--rates", type=_comma_separated(float, "request rates, e.g. 1,1.5"), default=rates,
                    help=f"comma-separated request rates, a sweep (default {','.join(f'{r:g}' for r in rates)})")
     p.add_argument("--repeats", type=int, default=1, help=f"{repeats_help}; medians (default 1)")
     p.add_argument("--report", default=report, help=f"report directory (default {report})")
@@ -217,7 +227,7 @@ def add_parser(sub) -> None:
                    help="foreserve variants: `knee` (the config's step policy), `knee:F` (the knee at F of the best "
                    "throughput, knee_throughput_fraction) or the online pool's tpot_target_ms, e.g. knee,knee:0.75,100 "
                    "(default knee)")
-    q.add_argument("--online-threads", type=lambda s: [int(n) for n in s.split(",")],
+    q.add_argument("--online-threads", type=_comma_separated(int, "thread counts, e.g. 1,2"),
                    help="foreserve variants: the online pool's torch_threads, e.g. 1,2; each --tpot-targets variant "
                    "runs at each count (default: the config's)")
     q.add_argument("--llama-cpp", choices=("bf16", "f32", "q4_1"), default="bf16", help="llama-server's GGUF dtype (default bf16)")

@@ -161,3 +161,16 @@ def test_bad_sweeps_are_refused_before_anything_starts(args, message, capsys):
 
     assert main(["loadtest", "peer", *args, "--report", "/nonexistent/peer"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--online-threads", "a,2", "--online-threads: comma-separated thread counts, e.g. 1,2; got 'a,2'"),
+    ("--rates", "x,1", "--rates: comma-separated request rates, e.g. 1,1.5; got 'x,1'"),
+])
+def test_a_list_value_that_is_not_a_number_is_named_in_the_error(option, value, message, capsys):
+    from foreserve.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["loadtest", "peer", option, value, "--report", "/nonexistent/peer"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
