@@ -150,8 +150,9 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(op):
 def test_bf16_linear_equals_float64_product(op, m, k, n):
     """x [m, k] float32 times bfloat16 w [n, k]: the product of the exact values, to float32's
     rounding, for sizes on and off the kernels' tiles (dot products: 4 outputs by 1-2 rows, 2 outputs
-    by 3-4 rows, 16 elements; packed panels: 16 outputs by 6 rows, pairs of elements) and the
-    outputs and rows left over."""
+    by 3-4 rows, 16 elements; packed panels: 16 outputs by 6 rows with AVX2, 2 x 16 outputs by 8
+    rows with AVX512-BF16, pairs of elements) and the outputs and rows left over. Built with
+    AVX512-BF16, the packed panels multiply x rounded to bfloat16 (``packed_rows_rounded``)."""
     lin = bf16_linear_op()
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(m, k, generator=g)
@@ -163,9 +164,11 @@ def test_bf16_linear_equals_float64_product(op, m, k, n):
     with pytest.raises(RuntimeError, match="float32 x and bfloat16 w"):
         lin(x, w.float(), None)
     if k % 2 == 0:  # the packed panels (pairs of k): more than one row runs them
-        from app.engine.model.cpu_kernels import bf16_pack_op
+        from app.engine.model.cpu_kernels import bf16_pack_op, packed_rows_rounded
 
         packed = bf16_pack_op()(w)
+        if m > 1 and packed_rows_rounded():
+            want = x.bfloat16().double() @ w.double().t()
         torch.testing.assert_close(lin(x, w, None, packed).double(), want, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(lin(x, w, b, packed).double(), want + b.double(), rtol=1e-5, atol=1e-4)
     else:

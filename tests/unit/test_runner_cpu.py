@@ -103,8 +103,10 @@ def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
     panels), up to ``bf16_kernel_rows()`` rows, and oneDNN's float32 copy past them on a CPU without
     native bfloat16, all give the float32 product with the bfloat16-rounded weights. Past them on a
     CPU with native bfloat16 (and at every row count with AMX), oneDNN's bfloat16 kernel runs
-    instead, whose rows go in and come out rounded to bfloat16."""
-    from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op
+    instead, whose rows go in and come out rounded to bfloat16; built with AVX512-BF16, the packed
+    panels (2 rows or more) round the rows to bfloat16 and give the float32 product of the rounded
+    rows and weights."""
+    from app.engine.model.cpu_kernels import bf16_linear_op, bf16_pack_op, packed_rows_rounded
     from app.engine.model.cpu_linear import BF16Linear, bf16_kernel_rows, fast_linear, linear, native_bf16
 
     torch.manual_seed(rows)
@@ -118,18 +120,24 @@ def test_bfloat16_linear_equals_float32_on_the_rounded_weights(rows, bias):
     assert limit == 0 or (fast.rows == limit and fast.packed is not None)
     float32_math = rows <= limit or not native_bf16()
     exact = {"rtol": 1e-5, "atol": 1e-5} if float32_math else {"rtol": 2e-2, "atol": 5e-2}
+    if 1 < rows <= limit and packed_rows_rounded():
+        want = torch.nn.functional.linear(x.bfloat16().double(), module.weight.double(),
+                                          None if module.bias is None else module.bias.double())
     torch.testing.assert_close(linear(module, x, fast).double(), want, **exact)
     torch.testing.assert_close(linear(module, x).double(), want, rtol=2e-2, atol=5e-2)  # plain: bf16 math
 
 
-@pytest.mark.parametrize(("native", "amx", "rows"), [(False, False, 96), (True, False, 16), (True, True, 0)])
-def test_bf16_kernel_rows_follow_the_cpu(monkeypatch, native, amx, rows):
-    """foreserve's kernels take bfloat16 linears of up to 96 rows without native bfloat16 (AVX2), up
-    to 16 with AVX512-BF16 but no AMX (oneDNN's bfloat16 kernels past that), none with AMX."""
-    from app.engine.model import cpu_linear
+@pytest.mark.parametrize(("native", "amx", "rounded", "rows"),
+                         [(False, False, False, 96), (True, False, True, 96), (True, False, False, 16), (True, True, True, 0)])
+def test_bf16_kernel_rows_follow_the_cpu(monkeypatch, native, amx, rounded, rows):
+    """foreserve's kernels take bfloat16 linears of up to 96 rows without native bfloat16 (AVX2) and
+    where they were built with AVX512-BF16 but there is no AMX, up to 16 where native bfloat16 met
+    only their AVX2 micro-kernel (oneDNN's bfloat16 kernels past that), none with AMX."""
+    from app.engine.model import cpu_kernels, cpu_linear
 
     monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
     monkeypatch.setattr(cpu_linear, "amx", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "packed_rows_rounded", lambda: rounded)
     assert cpu_linear.bf16_kernel_rows() == rows
 
 

@@ -93,6 +93,14 @@ def bf16_pack_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None if module is None else module.pack_bf16w
 
 
+def packed_rows_rounded() -> bool:
+    """Whether ``linear_bf16w`` rounds rows to bfloat16 on the packed panels (built with AVX512-BF16:
+    its vdpbf16ps multiplies bfloat16 pairs, ``csrc/bf16_packed.cpp``); False where the rows stay
+    float32 (AVX2) or the kernels cannot be built."""
+    module = _module()
+    return module is not None and bool(module.bf16_packed_rounds_rows())
+
+
 def rope_store_op() -> Callable | None:
     """``rope_store(qkv, cos, sin, slots, k_pool, v_pool, heads, kv_heads) -> qk [T, H + KVH, D]``
     (``csrc/rope_store.cpp``): RoPE on the fused projection's q and k, k and v stored into one layer

@@ -25,11 +25,16 @@ SKINNY_ROWS = 128
 # AVX2), against oneDNN's prepacked float32, two runs: 1.7-2.7x faster at 1-4 rows, 1.2-1.6x at 8-64,
 # 1.0-1.2x at 96, 0.6-1.0x at 512 (``python -m loadtests.bench.linear_microbench``; docs/engine.md).
 BF16W_ROWS = 96
-# Up to this many rows, the same kernels serve on a CPU with AVX512-BF16 but no AMX, where oneDNN's
-# bfloat16 kernels take more. Whole decode steps of SmolLM2-135M, 2 threads, 512 cached tokens, AMD
-# EPYC (Zen 4), against oneDNN's bfloat16 kernels, two runs: 1.1-2.0x the tokens/s at 1-8 rows, level
-# at 16, 0.7-1.06x at 24-64 (``runner_microbench --bf16-kernel-rows``; docs/benchmarks/llama-cpp.md). With AMX,
-# oneDNN's kernels take every row count (they ran batch 1 level with llama.cpp and batch 8 at 2.9x it).
+# Up to this many rows, the same kernels serve on a CPU with native bfloat16 but no AMX where they
+# were built without AVX512-BF16 (AVX-NE-CONVERT only): their AVX2 micro-kernel, which oneDNN's
+# bfloat16 kernels outrun past 16 rows. Whole decode steps of SmolLM2-135M, 2 threads, 512 cached
+# tokens, AMD EPYC (Zen 4), against oneDNN's bfloat16 kernels, two runs: 1.1-2.0x the tokens/s at
+# 1-8 rows, level at 16, 0.7-1.06x at 24-64 (``runner_microbench --bf16-kernel-rows``;
+# docs/benchmarks/llama-cpp.md). Built with AVX512-BF16 (``packed_rows_rounded``), their vdpbf16ps
+# micro-kernel takes up to ``BF16W_ROWS``: at 300 cached tokens, 2 threads, decode steps of 24-64
+# rows ran 1.2-1.3x faster than on oneDNN's kernels past 16 rows, and a step's linears at 96-512
+# rows level with them (``linear_microbench``). With AMX, oneDNN's kernels take every row count
+# (they ran batch 1 level with llama.cpp and batch 8 at 2.9x it).
 NATIVE_BF16W_ROWS = 16
 
 FastLinear = Callable[[torch.Tensor], torch.Tensor]
@@ -77,11 +82,15 @@ def amx() -> bool:
 
 def bf16_kernel_rows() -> int:
     """Up to how many rows foreserve's kernels run a bfloat16 linear on this CPU (0: never):
-    ``BF16W_ROWS`` without native bfloat16, ``NATIVE_BF16W_ROWS`` with AVX512-BF16 (or AVX-NE-CONVERT)
-    but no AMX, 0 with AMX."""
+    ``BF16W_ROWS`` without native bfloat16 or where the kernels were built with AVX512-BF16 (but no
+    AMX), ``NATIVE_BF16W_ROWS`` with native bfloat16 but only AVX2 kernels, 0 with AMX."""
     if not native_bf16():
         return BF16W_ROWS
-    return 0 if amx() else NATIVE_BF16W_ROWS
+    if amx():
+        return 0
+    from app.engine.model.cpu_kernels import packed_rows_rounded
+
+    return BF16W_ROWS if packed_rows_rounded() else NATIVE_BF16W_ROWS
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -131,7 +140,9 @@ class BF16Linear:
     values, so the answer does not depend on which path a step took beyond float32's summation order;
     two more copies of the weights in memory: the packed panels (as many bytes as the weights) and the
     float32 copy (twice as many). With native bfloat16, ``dense`` is oneDNN's bfloat16 kernel, whose
-    rows are rounded to bfloat16 (one more copy: its prepacked weights)."""
+    rows are rounded to bfloat16 (one more copy: its prepacked weights); where the kernels were built
+    with AVX512-BF16, the packed panels round the rows to bfloat16 too (``packed_rows_rounded``), and
+    only one row keeps float32 products."""
 
     def __init__(self, op: Callable, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
                  dense: FastLinear, rows: int) -> None:

@@ -1,31 +1,41 @@
 // A linear layer with bfloat16 weights and float32 activations for batches of rows (a decode step
-// of many sequences, a short prefill chunk): on CPUs without native bfloat16 (AVX2) up to 96 rows, and
-// with AVX512-BF16 but no AMX up to 16 (``cpu_linear.bf16_kernel_rows``).
+// of many sequences, a short prefill chunk): up to 96 rows, except on CPUs with AMX
+// (``cpu_linear.bf16_kernel_rows``).
 //
 // ``bf16_linear.cpp`` takes one dot product per output: right for one row, where the weights'
 // bytes bound the step. With more rows the products bind it, and dot products pay for a
 // horizontal sum per output and for two dependent FMAs per accumulator. Here the weights are packed
 // once (``pack_bf16w``) into panels of 16 output features: for each pair of input elements (2 kp,
-// 2 kp + 1) the panel holds the 16 features' two bfloat16 weights side by side, so one 32-byte load
-// gives 8 features' pair, widened to float32 with a shift (the even element) and a mask (the odd).
-// Each row's two inputs are broadcast and the products go straight into per-feature accumulators:
-// 6 rows x 16 features, 12 ymm accumulators, no horizontal sums (the GEMM micro-kernel shape of
-// BLIS and oneDNN, with the weights widened in registers). On an AMD EPYC (Zen 3, 2 threads) it runs
-// at 100-130 GFLOP/s at 4-96 rows, 1.5-2.4x the dot products (loadtests/bench/linear_microbench.py).
+// 2 kp + 1) the panel holds the 16 features' two bfloat16 weights side by side. Each row's pair of
+// inputs is broadcast and the products go straight into per-feature accumulators, no horizontal
+// sums (the GEMM micro-kernel shape of BLIS and oneDNN). Two micro-kernels read the same panels:
+// - AVX512-BF16 (``FORESERVE_AVX512BF16``): the rows are rounded to bfloat16 once per call, as
+//   oneDNN's and llama.cpp's bfloat16 kernels round them; one 64-byte load is a pair of 16
+//   features' weights and one vdpbf16ps per row multiplies both elements and adds the two products
+//   into 16 float32 sums. 8 rows x 2 panels, 16 zmm accumulators. On an AMD EPYC (Zen 4, 2 threads)
+//   it runs at 290-410 GFLOP/s at 4-64 rows, 1.6-2.1x the AVX2 micro-kernel on the same CPU.
+// - AVX2: the rows stay float32; one 32-byte load gives 8 features' pair, widened to float32 with a
+//   shift (the even element) and a mask (the odd). 6 rows x 16 features, 12 ymm accumulators. On an
+//   AMD EPYC (Zen 3, 2 threads) it runs at 100-130 GFLOP/s at 4-96 rows, 1.5-2.4x the dot products.
+// (``python -m loadtests.bench.linear_microbench``.)
 //
 // Packed layout, bfloat16: [ceil(n / 16)][k / 2][16][2] (k even), features past n zeros.
-// y[m, n] = sum_k x[m, k] * w[n, k], products and sums in float32, in k's order (``linear_bf16w``
-// adds the bias).
+// y[m, n] = sum_k x[m, k] * w[n, k], sums in float32 in k's order, x rounded to bfloat16 first on
+// the AVX512-BF16 path (``linear_bf16w`` adds the bias).
 #include "kernels.h"
 
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FORESERVE_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define FORESERVE_AVX512BF16 1
 #endif
 
 namespace {
@@ -103,6 +113,70 @@ inline void micro(const float* x, int64_t k, const uint16_t* p, int64_t k2, floa
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy + n0, out[i], cols * sizeof(float));
 }
 
+
+#ifdef FORESERVE_AVX512BF16
+constexpr int64_t MR_DP = 8;  // rows per micro-tile of the bfloat16 dot products
+constexpr int NP_DP = 2;      // panels per micro-tile
+
+// x [count] float32 -> bfloat16, rounded to nearest even (pairs of elements read as 32-bit words)
+void round_rows(const float* x, int64_t count, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < count) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
+    _mm256_mask_storeu_epi16(out + i, tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i)));
+  }
+}
+
+// Rows [0, R) of xb (bfloat16 pairs, [R][k2] 32-bit words) against NP panels from ``p``, into y's
+// columns [n0, n0 + 16 (NP - 1) + last). One 64-byte load is a pair of 16 features' weights; one
+// vdpbf16ps per row and panel multiplies both elements of the row's broadcast pair and adds the two
+// products into the 16 float32 sums.
+template <int R, int NP>
+inline void micro_dp(const uint32_t* xb, int64_t k2, const uint16_t* p, float* y, int64_t ldy, int64_t n0,
+                     int64_t last) {
+  __m512 acc[R][NP];
+  UNROLL for (int i = 0; i < R; ++i) UNROLL for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t stride = k2 * PANEL * 2;  // bfloat16s per panel
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    __m512bh w[NP];
+    UNROLL for (int j = 0; j < NP; ++j) {
+      const uint16_t* wj = p + j * stride + kp * PANEL * 2;
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + PREFETCH_BYTES, _MM_HINT_T1);
+      w[j] = (__m512bh)_mm512_loadu_si512(wj);
+    }
+    UNROLL for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[i * k2 + kp]));
+      UNROLL for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+    }
+  }
+  UNROLL for (int i = 0; i < R; ++i) UNROLL for (int j = 0; j < NP; ++j) {
+    const int64_t cols = j + 1 < NP ? PANEL : last;
+    _mm512_mask_storeu_ps(y + i * ldy + n0 + j * PANEL, static_cast<__mmask16>((1u << cols) - 1), acc[i][j]);
+  }
+}
+
+template <int NP>
+void rows_dp(const uint32_t* xb, int64_t m, int64_t k2, const uint16_t* p, float* y, int64_t ldy, int64_t n0,
+             int64_t last) {
+  int64_t m0 = 0;
+  for (; m0 + MR_DP <= m; m0 += MR_DP) micro_dp<MR_DP, NP>(xb + m0 * k2, k2, p, y + m0 * ldy, ldy, n0, last);
+  const uint32_t* xr = xb + m0 * k2;
+  float* yr = y + m0 * ldy;
+  switch (m - m0) {
+    case 7: micro_dp<7, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 6: micro_dp<6, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 5: micro_dp<5, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 4: micro_dp<4, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 3: micro_dp<3, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 2: micro_dp<2, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    case 1: micro_dp<1, NP>(xr, k2, p, yr, ldy, n0, last); break;
+    default: break;
+  }
+}
+#endif
+
 }  // namespace
 
 // w [n, k] bfloat16 -> the packed panels (see above), a flat bfloat16 tensor
@@ -137,6 +211,26 @@ at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, in
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
+#ifdef FORESERVE_AVX512BF16
+  {
+    std::vector<uint16_t> xb(m * k);
+    round_rows(xp, m * k, xb.data());
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xb.data());
+    const int64_t groups = (panels + NP_DP - 1) / NP_DP;
+    const int64_t grain = std::max<int64_t>(1, 65536 / (k2 * PANEL * 4 * NP_DP));
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * NP_DP, n0 = p0 * PANEL, last = std::min(PANEL, n - (p0 + NP_DP - 1) * PANEL);
+        const uint16_t* panel = wp + p0 * k2 * PANEL * 2;
+        if (p0 + NP_DP <= panels)
+          rows_dp<NP_DP>(xw, m, k2, panel, yp, n, n0, last);
+        else
+          rows_dp<1>(xw, m, k2, panel, yp, n, n0, std::min(PANEL, n - n0));
+      }
+    });
+    return y;
+  }
+#endif
   // NOTE: threads split the panels; each task runs every row of x against its panels, so a panel
   // (k x 32 bytes: 18 KB at k = 576) is read from memory once and then from L1/L2 for each tile
   const int64_t grain = std::max<int64_t>(1, 65536 / (k2 * PANEL * 4));
@@ -157,6 +251,14 @@ at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, in
     }
   });
   return y;
+}
+
+bool bf16_packed_rounds_rows() {
+#ifdef FORESERVE_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
 }
 
 // The rows' kernel: one row (or no packed copy) the dot products of ``linear_bf16w_dot``, bound by the

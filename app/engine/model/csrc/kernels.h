@@ -15,6 +15,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
                         const at::Tensor& tables, const at::Tensor& lens, double scale);
 at::Tensor linear_bf16w_dot(const at::Tensor& x, const at::Tensor& w);
 at::Tensor pack_bf16w(const at::Tensor& w);
+bool bf16_packed_rounds_rows();
 at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& packed);

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("pack_bf16w", &pack_bf16w, "bfloat16 w [n, k] packed in panels for linear_bf16w (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_packed_rounds_rows", &bf16_packed_rounds_rows,
+        "whether linear_bf16w rounds rows to bfloat16 on the packed panels (AVX512-BF16's vdpbf16ps)");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight (CPU, float32)",
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_store", &rope_store, "RoPE on q and k of a fused qkv, k and v stored into the paged pool (CPU)",
