@@ -37,22 +37,25 @@ def reference(q, k_pool, v_pool, tables, lens, scale):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+# NOTE: heads of 64 and 128 elements with 1-4 and 1-2 query heads per KV head take the AVX-512 path
+# where there is one (16 tokens at a time); the rest, and other CPUs, the AVX2 one
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 32), (4, 4, 32), (8, 1, 32), (9, 3, 64), (4, 4, 64),
+                                                (8, 2, 64), (8, 1, 64), (4, 2, 128), (4, 4, 128), (9, 3, 128)])
 # NOTE: with 2 threads, 7 rows run a task each; 1 and 2 rows are cut into token ranges (up to 4 per
 # row), one of them empty for the row of 1 token, and merged.
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 200, 7], [333], [1, 400], [130, 64]])
-def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, kv_dtype, lens):
+def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, dim, kv_dtype, lens):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _check_paged_decode(op, heads, kv_heads, kv_dtype, torch.tensor(lens))
+        _check_paged_decode(op, heads, kv_heads, kv_dtype, torch.tensor(lens), dim=dim)
     finally:
         torch.set_num_threads(threads)
 
 
-def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125):
+def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125, dim=32):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    num_blocks, dim = 64, 32
+    num_blocks = 64
     max_blocks = -(-int(lens.max()) // BLOCK)
     k_pool = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
     v_pool = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
@@ -77,6 +80,7 @@ def test_paged_decode_with_scores_hundreds_apart(op):
     """Scores far below the largest (exp of -100s: underflow, where the kernel's vectorised exp clamps)
     weigh nothing and make no NaN; the largest few decide."""
     _check_paged_decode(op, 9, 3, torch.bfloat16, torch.tensor([333, 40]), scale=20.0)
+    _check_paged_decode(op, 9, 3, torch.bfloat16, torch.tensor([333, 40]), scale=20.0, dim=64)
 
 
 def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
