@@ -211,28 +211,25 @@ at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, in
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-#ifdef FORESERVE_AVX512BF16
-  {
-    std::vector<uint16_t> xb(m * k);
-    round_rows(xp, m * k, xb.data());
-    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xb.data());
-    const int64_t groups = (panels + NP_DP - 1) / NP_DP;
-    const int64_t grain = std::max<int64_t>(1, 65536 / (k2 * PANEL * 4 * NP_DP));
-    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = g * NP_DP, n0 = p0 * PANEL, last = std::min(PANEL, n - (p0 + NP_DP - 1) * PANEL);
-        const uint16_t* panel = wp + p0 * k2 * PANEL * 2;
-        if (p0 + NP_DP <= panels)
-          rows_dp<NP_DP>(xw, m, k2, panel, yp, n, n0, last);
-        else
-          rows_dp<1>(xw, m, k2, panel, yp, n, n0, std::min(PANEL, n - n0));
-      }
-    });
-    return y;
-  }
-#endif
   // NOTE: threads split the panels; each task runs every row of x against its panels, so a panel
   // (k x 32 bytes: 18 KB at k = 576) is read from memory once and then from L1/L2 for each tile
+#ifdef FORESERVE_AVX512BF16
+  std::vector<uint16_t> xb(m * k);
+  round_rows(xp, m * k, xb.data());
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xb.data());
+  const int64_t groups = (panels + NP_DP - 1) / NP_DP;  // NP_DP panels a tile
+  const int64_t grain = std::max<int64_t>(1, 65536 / (k2 * PANEL * 4 * NP_DP));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * NP_DP, n0 = p0 * PANEL;
+      const uint16_t* panel = wp + p0 * k2 * PANEL * 2;
+      if (p0 + NP_DP <= panels)
+        rows_dp<NP_DP>(xw, m, k2, panel, yp, n, n0, std::min(PANEL, n - (p0 + NP_DP - 1) * PANEL));
+      else  // an odd panel left
+        rows_dp<1>(xw, m, k2, panel, yp, n, n0, std::min(PANEL, n - n0));
+    }
+  });
+#else
   const int64_t grain = std::max<int64_t>(1, 65536 / (k2 * PANEL * 4));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -250,6 +247,7 @@ at::Tensor linear_bf16w_packed(const at::Tensor& x, const at::Tensor& packed, in
       }
     }
   });
+#endif
   return y;
 }
 
