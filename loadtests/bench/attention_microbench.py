@@ -9,20 +9,10 @@ The model's head shapes, random K/V, each sequence's blocks scattered over the p
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+from loadtests.bench.timer import median_ms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         lens = torch.full((b,), args.context_tokens, dtype=torch.long)
         q = torch.randn(b, args.heads, args.head_dim, generator=g)
         scale = args.head_dim ** -0.5
-        hot = _median_ms(lambda: [op(q, *pools[0], tables, lens, scale) for _ in pools], args.reps)
-        cold = _median_ms(lambda: [op(q, k, v, tables, lens, scale) for k, v in pools], args.reps)
+        hot = median_ms(lambda: [op(q, *pools[0], tables, lens, scale) for _ in pools], args.reps)
+        cold = median_ms(lambda: [op(q, k, v, tables, lens, scale) for k, v in pools], args.reps)
         kv_bytes = 2 * b * args.context_tokens * args.kv_heads * args.head_dim * dtype.itemsize * args.layers
         print(f"{b:5d} {hot:8.2f} {cold:8.2f} {kv_bytes / cold / 1e6:17.1f}", flush=True)
 

@@ -13,12 +13,11 @@ on a CPU with native bfloat16 and at every row count with AMX). GB/s counts the 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from app.runtime_env import process_defaults
+from loadtests.bench.timer import median_ms
 
 
 def step_shapes(model_path) -> list[tuple[int, int]]:
@@ -31,15 +30,6 @@ def step_shapes(model_path) -> list[tuple[int, int]]:
     layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
              (c.hidden_size, c.intermediate_size)]
     return layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:]) * 1000
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for rows in args.rows:
             xs = {i: torch.randn(rows, i) for _, i in set(shapes)}
-            ms = median_ms(lambda: [linear(m, xs[i], f) for m, f, (_, i) in zip(modules, fast, shapes)], args.repeats)
+            ms = median_ms(lambda: [linear(m, xs[i], f) for m, f, (_, i) in zip(modules, fast, shapes)], args.repeats, warmup=3)
             print(f"rows {rows:3d}: {ms:7.2f} ms a step's linears  ({nbytes / ms / 1e6:5.1f} GB/s of weights)")
         block = torch.randn(nbytes // 4)
-        ms = median_ms(block.sum, args.repeats)
+        ms = median_ms(block.sum, args.repeats, warmup=3)
         print(f"plain read (sum of {nbytes / 1e6:.0f} MB): {ms:7.2f} ms  ({nbytes / ms / 1e6:5.1f} GB/s)")
 
 

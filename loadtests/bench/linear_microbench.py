@@ -11,23 +11,13 @@ the dot products whatever ``linear_bf16w`` is given (its packed column is blank 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from loadtests.bench.timer import median_ms
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: q-k-v, o, gate-up, down
 LAYERS = 30
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,12 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for m in args.rows:
             xs = [torch.randn(m, k, generator=g) for _, k in SHAPES]
-            dot = _median_ms(lambda: [lin(x, w) for x, w in zip(xs, ws) for _ in range(LAYERS)], args.reps)
-            pan = None if m == 1 else _median_ms(
+            dot = median_ms(lambda: [lin(x, w) for x, w in zip(xs, ws) for _ in range(LAYERS)], args.reps)
+            pan = None if m == 1 else median_ms(
                 lambda: [lin(x, w, None, pw) for x, w, pw in zip(xs, ws, packed) for _ in range(LAYERS)], args.reps)
-            one = _median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "")
+            one = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "")
                                       for x, d in zip(xs, dense) for _ in range(LAYERS)], args.reps)
-            bf = "" if native is None else "%.2f" % _median_ms(
+            bf = "" if native is None else "%.2f" % median_ms(
                 lambda: [onednn_linear(x.to(torch.bfloat16), d, None).float() for x, d in zip(xs, native) for _ in range(LAYERS)],
                 args.reps)
             cells = ("", "") if pan is None else (f"{pan:.2f}", f"{flops_per_row * m / pan / 1e6:.1f}")

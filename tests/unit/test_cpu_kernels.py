@@ -294,3 +294,16 @@ def test_linear_microbench_times_every_path_it_names(op, capsys):
     assert len(lines[1].split()) == 3 + native and len(lines[2].split()) == 5 + native  # one row: no packed figures
     with pytest.raises(SystemExit):
         main(["--rows", "0"])
+
+
+def test_attention_microbench_prints_a_line_per_batch(op, capsys):
+    """``python -m loadtests.bench.attention_microbench``: the hot and cold times and the K/V bytes
+    read per second for each batch, and a clear error for heads that KV heads do not divide."""
+    from loadtests.bench.attention_microbench import main
+
+    main(["--batch", "1", "3", "--context-tokens", "40", "--layers", "2", "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "batch" and [line.split()[0] for line in lines[1:]] == ["1", "3"]
+    assert all(len(line.split()) == 4 and float(line.split()[3]) > 0 for line in lines[1:])
+    with pytest.raises(SystemExit):
+        main(["--heads", "9", "--kv-heads", "2"])
