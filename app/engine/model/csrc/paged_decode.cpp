@@ -118,6 +118,13 @@ inline void axpy(float* acc, float p, const KV* v, int64_t dim) {
   for (int64_t x = 0; x < dim; ++x) acc[x] += p * static_cast<float>(v[x]);
 }
 
+// The row of position ``pos`` in a sequence's blocks (``table``): ``row`` elements, every KV head of
+// a token, in the pool's [block, token, kv_head, dim] layout.
+template <typename KV>
+inline const KV* kv_row(const KV* pool, const int64_t* table, int64_t pos, int64_t block, int64_t row) {
+  return pool + (table[pos / block] * block + pos % block) * row;
+}
+
 // All query heads of one sequence over its tokens [t0, t1): per head the running max ``m``, the sum
 // of exp(score - m) ``z`` and the unnormalized sum of exp(score - m) * V ``acc`` ([heads, dim]).
 // An empty range leaves m = -FLT_MAX, z = 0, acc = 0.
@@ -126,12 +133,12 @@ void attend_part(const float* q, const KV* k_pool, const KV* v_pool, const int64
                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
                  std::vector<float>& scores, float* m, float* z, float* acc) {
   const int64_t rep = heads / kv_heads, len = std::max<int64_t>(0, t1 - t0);
-  const int64_t row = kv_heads * dim, block_stride = block * row;
+  const int64_t row = kv_heads * dim;
   scores.resize(heads * std::max<int64_t>(1, len));
   for (int64_t h = 0; h < heads; ++h) m[h] = -FLT_MAX;
   for (int64_t t = 0; t < len; ++t) {
     const int64_t pos = t0 + t;
-    const KV* k_row = k_pool + table[pos / block] * block_stride + (pos % block) * row;
+    const KV* k_row = kv_row(k_pool, table, pos, block, row);
     for (int64_t h = 0; h < heads; ++h) {
       const float score = dot(q + h * dim, k_row + (h / rep) * dim, dim) * scale;
       scores[h * len + t] = score;
@@ -145,7 +152,7 @@ void attend_part(const float* q, const KV* k_pool, const KV* v_pool, const int64
   std::fill(acc, acc + heads * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const int64_t pos = t0 + t;
-    const KV* v_row = v_pool + table[pos / block] * block_stride + (pos % block) * row;
+    const KV* v_row = kv_row(v_pool, table, pos, block, row);
     for (int64_t h = 0; h < heads; ++h) axpy(acc + h * dim, scores[h * len + t], v_row + (h / rep) * dim, dim);
   }
 }
@@ -158,10 +165,10 @@ void attend_part(const float* q, const KV* k_pool, const KV* v_pool, const int64
 // same prefetches gained nothing there (``python -m loadtests.bench.attention_microbench``).
 constexpr int64_t PREFETCH_TOKENS = 32;
 
-// The row of position ``pos`` (``row`` elements: every KV head of a token) fetched into L2.
+// ``kv_row``'s row fetched into L2.
 template <typename KV>
 inline void prefetch_row(const KV* pool, const int64_t* table, int64_t pos, int64_t block, int64_t row) {
-  const char* p = reinterpret_cast<const char*>(pool + table[pos / block] * block * row + (pos % block) * row);
+  const char* p = reinterpret_cast<const char*>(kv_row(pool, table, pos, block, row));
   for (int64_t b = 0; b < row * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
@@ -201,16 +208,13 @@ void attend_part_wide(const float* q, const KV* k_pool, const KV* v_pool, const 
                       int64_t t1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
                       std::vector<float>& scores, float* m, float* z, float* acc) {
   const int64_t len = std::max<int64_t>(0, t1 - t0), padded = (len + 15) / 16 * 16;
-  const int64_t row = kv_heads * dim, block_stride = block * row;
+  const int64_t row = kv_heads * dim;
   scores.resize(heads * std::max<int64_t>(16, padded));
   for (int64_t h = 0; h < heads; ++h) m[h] = -FLT_MAX;
   const KV* rows[16];
   // The rows of tokens [tb, tb + nb) into ``rows``; the rows PREFETCH_TOKENS on fetched into L2.
   auto gather = [&](const KV* pool, int64_t tb, int64_t nb) {
-    for (int64_t t = 0; t < nb; ++t) {
-      const int64_t pos = t0 + tb + t;
-      rows[t] = pool + table[pos / block] * block_stride + (pos % block) * row;
-    }
+    for (int64_t t = 0; t < nb; ++t) rows[t] = kv_row(pool, table, t0 + tb + t, block, row);
     for (int64_t pos = t0 + tb + PREFETCH_TOKENS; pos < std::min(t1, t0 + tb + nb + PREFETCH_TOKENS); ++pos)
       prefetch_row(pool, table, pos, block, row);
   };
@@ -342,8 +346,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
         const int64_t span = (len_p[i] + parts - 1) / parts;
         const int64_t slot = i * parts + p;
         attend(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, p * span, std::min(len_p[i], (p + 1) * span),
-                    heads, kv_heads, dim, block, static_cast<float>(scale), scores, part_m.data() + slot * heads,
-                    part_z.data() + slot * heads, part_acc.data() + slot * heads * dim);
+               heads, kv_heads, dim, block, static_cast<float>(scale), scores, part_m.data() + slot * heads,
+               part_z.data() + slot * heads, part_acc.data() + slot * heads * dim);
       }
     });
   };
