@@ -4,8 +4,8 @@ on the same machine, back to back, at each rate; medians of repeats, the order a
 llama-server runs the served weights as a GGUF (``loadtests/bench/llama_cpp.py``) with one unified
 KV cache and a fixed number of slots, and starts afresh for every run (it has no /health that says
 it is idle). foreserve runs the given serve_config.yaml, its online pool aimed at the test's SLOs,
-optionally with a ``tpot_target_ms`` per variant (``--tpot-targets knee,knee:0.75,100``: the
-throughput knee, the knee at 75% of the best throughput, and steps sized for 100 ms) and a
+optionally with a step policy per variant (``--tpot-targets default,knee,slowdown:3,100``: the
+config's, the throughput knee, steps within three one-token steps, and steps sized for 100 ms) and a
 ``torch_threads`` (``--online-threads 1,2``: every target at each count). One service per variant
 and repeat serves every rate.
 
@@ -33,28 +33,54 @@ TARGETS = (("tpot_p50_ms", "lower", 1.0), ("mean_e2e_ms", "lower", 1.0), ("good_
            ("ttft_p90_ms", "lower", 1.0))
 
 
-# (`knee`, `knee:F` or a tpot_target_ms; the online pool's torch_threads, or None: the config's)
+# (a step policy, ``step_policy``'s spec; the online pool's torch_threads, or None: the config's)
 Variant = tuple[str, int | None]
+
+STEP_POLICIES = "`default`, `knee`, `knee:FRACTION`, `slowdown:K` or a step time in ms"
+
+
+def _positive(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+def step_policy(spec: str) -> tuple[str, dict]:
+    """A ``--tpot-targets`` entry -> (its name in the tables, the online pool's fields it sets):
+    ``default`` (the config's step policy), ``knee`` / ``knee:F`` (the throughput knee, at F of the
+    best throughput), ``slowdown:K`` (steps within K one-token steps) or a number (``tpot_target_ms``).
+    Raises ValueError for anything else."""
+    kind, _, arg = spec.partition(":")
+    if spec == "default":
+        return "foreserve", {}
+    if spec == "knee":
+        return "foreserve knee", {"tpot_slowdown": None}
+    if kind == "knee" and arg:
+        fraction = _positive(arg)
+        if fraction is None or fraction > 1:
+            raise ValueError(f"--tpot-targets: {spec!r}: a knee's throughput fraction is above 0 and at most 1")
+        return f"foreserve knee {arg}", {"tpot_slowdown": None, "knee_throughput_fraction": fraction}
+    if kind == "slowdown" and arg:
+        factor = _positive(arg)
+        if factor is None or factor < 1:
+            raise ValueError(f"--tpot-targets: {spec!r}: a slowdown is at least 1")
+        return f"foreserve slowdown {arg}", {"tpot_slowdown": factor}
+    if not arg and _positive(spec) is not None:
+        return f"foreserve tpot {spec} ms", {"tpot_target_ms": float(spec)}
+    raise ValueError(f"--tpot-targets: {spec!r} is none of {STEP_POLICIES}")
 
 
 def variant_name(tpot_target: str, threads: int | None = None) -> str:
-    if tpot_target == "knee":
-        name = "foreserve"
-    elif tpot_target.startswith("knee:"):
-        name = f"foreserve knee {tpot_target.removeprefix('knee:')}"
-    else:
-        name = f"foreserve tpot {tpot_target} ms"
+    name = step_policy(tpot_target)[0]
     return name if threads is None else f"{name} {threads} thread{'s' if threads > 1 else ''}"
 
 
 def variant_config(source: Path, out: Path, tpot_target: str, spec: LoadSpec, threads: int | None = None) -> Path:
-    """``source`` with the online pool aimed at the test's SLOs and, unless ``tpot_target`` is
-    ``knee``, its ``tpot_target_ms`` set (``knee:F``: its ``knee_throughput_fraction``); with
-    ``threads``, its ``torch_threads``."""
-    if tpot_target.startswith("knee:"):
-        online = {"knee_throughput_fraction": float(tpot_target.removeprefix("knee:"))}
-    else:
-        online = {} if tpot_target == "knee" else {"tpot_target_ms": float(tpot_target)}
+    """``source`` with the online pool aimed at the test's SLOs, the step policy ``tpot_target``
+    names (``step_policy``) and, with ``threads``, its ``torch_threads``."""
+    online = dict(step_policy(tpot_target)[1])
     if threads is not None:
         online["torch_threads"] = threads
     return scheduler_config(source, out, None, spec.slos["online"], online=online)

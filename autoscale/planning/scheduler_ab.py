@@ -135,7 +135,7 @@ def simulate_load(runner: SimRunner, config: EngineConfig, workload: Workload, r
 
 def scheduler_config(config: EngineConfig, spec: str) -> EngineConfig:
     """``online``, ``fcfs``, ... with engine settings after colons: ``online:tpot_target_ms=150``,
-    ``online:knee_throughput_fraction=1`` (values are parsed as YAML scalars)."""
+    ``online:tpot_slowdown=null:knee_throughput_fraction=1`` (values are parsed as YAML scalars)."""
     import yaml
 
     name, *settings = spec.split(":")

@@ -97,16 +97,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
     import os
 
     from app.config import DEFAULT_CONFIG_PATH
-    from loadtests.peer import run_peer
+    from loadtests.peer import run_peer, step_policy
 
     if args.mode != "open":
         raise ValueError("loadtest peer runs open-loop arrivals (a rate sweep); drop --mode closed")
     for t in args.tpot_targets:
-        fraction = t[5:] if t.startswith("knee:") else None
-        if fraction is not None and not (fraction.replace(".", "", 1).isdigit() and 0 < float(fraction) <= 1):
-            raise ValueError(f"--tpot-targets: {t!r}: a knee's throughput fraction is above 0 and at most 1")
-        if t != "knee" and fraction is None and not (t.replace(".", "", 1).isdigit() and float(t) > 0):
-            raise ValueError(f"--tpot-targets: {t!r} is neither `knee`, `knee:FRACTION` nor a step time in ms")
+        step_policy(t)  # ValueError for a spec it does not know
     if args.slots < 1 or args.ctx_tokens < 1:
         raise ValueError("--slots and --ctx-tokens must be >= 1")
     if any(r <= 0 for r in args.rates) or len(set(args.rates)) < len(args.rates):
@@ -223,10 +219,11 @@ def add_parser(sub) -> None:
                         "writes peer.json, peer.png and every run's report.")
     _load_options(q)
     _sweep_options(q, [1.0, 1.5], "reports/loadtest_peer", "repeat every system (order alternates)")
-    q.add_argument("--tpot-targets", type=lambda s: s.split(","), default=["knee"],
-                   help="foreserve variants: `knee` (the config's step policy), `knee:F` (the knee at F of the best "
-                   "throughput, knee_throughput_fraction) or the online pool's tpot_target_ms, e.g. knee,knee:0.75,100 "
-                   "(default knee)")
+    q.add_argument("--tpot-targets", type=lambda s: s.split(","), default=["default"],
+                   help="foreserve variants, the online pool's step policy: `default` (the config's), `knee` (the "
+                   "throughput knee), `knee:F` (the knee at F of the best throughput, knee_throughput_fraction), "
+                   "`slowdown:K` (steps within K one-token steps, tpot_slowdown) or a step time in ms "
+                   "(tpot_target_ms), e.g. default,knee,slowdown:3,60 (default: default)")
     q.add_argument("--online-threads", type=_comma_separated(int, "thread counts, e.g. 1,2"),
                    help="foreserve variants: the online pool's torch_threads, e.g. 1,2; each --tpot-targets variant "
                    "runs at each count (default: the config's)")

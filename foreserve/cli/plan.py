@@ -293,6 +293,6 @@ def add_parser(sub) -> None:
                     help="the online scheduler's aging: predicted tokens forgiven per step waited (default 0.25)")
     ab.add_argument("--schedulers", type=lambda s: s.split(","), default=["online", "fcfs"],
                     help="the two schedulers (default online,fcfs), each with engine settings after colons if "
-                    "wanted: online:tpot_target_ms=150,online:knee_throughput_fraction=1")
+                    "wanted: online:tpot_target_ms=150,online:tpot_slowdown=null:knee_throughput_fraction=1")
     ab.add_argument("--plot", metavar="PNG", help="write TPOT p50, goodput and mean E2E against the rate")
     ab.set_defaults(func=cmd_scheduler_ab)

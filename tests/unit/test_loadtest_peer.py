@@ -14,22 +14,26 @@ def _figures(**kw) -> dict:
     return {**base, **kw}
 
 
-def test_a_variant_sets_the_online_pools_step_target_and_the_tests_slos(tmp_path):
-    from app.config import DEFAULT_CONFIG_PATH
+def test_a_variant_sets_the_online_pools_step_policy_and_the_tests_slos(tmp_path):
+    from app.config import DEFAULT_CONFIG_PATH, AppConfig
     from loadtests.loadtest import LoadSpec
     from loadtests.peer import variant_config, variant_name
     from loadtests.summary import SLO
 
     spec = LoadSpec(stages="steady:60:1", slos={"online": SLO(ttft_ms=1500, tpot_ms=200), "flex": SLO(ttft_ms=1e4, tpot_ms=1e3)})
-    knee = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "a.yaml", "knee", spec).read_text())
-    tight = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "b.yaml", "100", spec).read_text())
-    online = [c["applications"][0]["args"]["pools"]["online"] for c in (knee, tight)]
-    assert [(o["ttft_slo_ms"], o["tpot_slo_ms"]) for o in online] == [(1500, 200), (1500, 200)]
-    assert "tpot_target_ms" not in online[0] and online[1]["tpot_target_ms"] == 100.0
-    assert [variant_name("knee"), variant_name("100")] == ["foreserve", "foreserve tpot 100 ms"]
+    specs = ["default", "knee", "knee:0.7", "slowdown:3", "100"]
+    configs = [yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / f"{i}.yaml", t, spec).read_text())
+               for i, t in enumerate(specs)]
+    online = [c["applications"][0]["args"]["pools"]["online"] for c in configs]
+    assert all((o["ttft_slo_ms"], o["tpot_slo_ms"]) == (1500, 200) for o in online)
+    policies = [AppConfig.model_validate(c["applications"][0]["args"]).pools["online"] for c in configs]
+    assert [(p.tpot_target_ms, p.tpot_slowdown, p.knee_throughput_fraction) for p in policies] == [
+        (None, 4.0, 0.9), (None, None, 0.9), (None, None, 0.7), (None, 3.0, 0.9), (100.0, 4.0, 0.9)]
+    assert [variant_name(t) for t in specs] == [
+        "foreserve", "foreserve knee", "foreserve knee 0.7", "foreserve slowdown 3", "foreserve tpot 100 ms"]
     # nothing else of the service changes: autoscaling stays as configured
-    assert "autoscaling_policy" in tight["applications"][0]
-    assert online[0]["torch_threads"] == online[1]["torch_threads"]  # the config's thread count
+    assert all("autoscaling_policy" in c["applications"][0] for c in configs)
+    assert len({o["torch_threads"] for o in online}) == 1  # the config's thread count
 
 
 def test_a_thread_variant_sets_the_online_pools_torch_threads_alone(tmp_path):
@@ -39,16 +43,12 @@ def test_a_thread_variant_sets_the_online_pools_torch_threads_alone(tmp_path):
     from loadtests.summary import SLO
 
     spec = LoadSpec(stages="steady:60:1", slos={"online": SLO(ttft_ms=2000, tpot_ms=250), "flex": SLO(ttft_ms=2e4, tpot_ms=2500)})
-    data = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "c.yaml", "knee", spec, 2).read_text())
+    data = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "c.yaml", "default", spec, 2).read_text())
     pools = data["applications"][0]["args"]["pools"]
     source = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())["applications"][0]["args"]["pools"]
     assert pools["online"]["torch_threads"] == 2 and "tpot_target_ms" not in pools["online"]
     assert pools["offline"] == source["offline"]
-    assert [variant_name("knee", 1), variant_name("60", 2)] == ["foreserve 1 thread", "foreserve tpot 60 ms 2 threads"]
-    low = yaml.safe_load(variant_config(DEFAULT_CONFIG_PATH, tmp_path / "d.yaml", "knee:0.7", spec).read_text())
-    online = low["applications"][0]["args"]["pools"]["online"]
-    assert online["knee_throughput_fraction"] == 0.7 and "tpot_target_ms" not in online
-    assert variant_name("knee:0.7") == "foreserve knee 0.7"
+    assert [variant_name("default", 1), variant_name("60", 2)] == ["foreserve 1 thread", "foreserve tpot 60 ms 2 threads"]
 
 
 def test_medians_skip_a_figure_a_run_lacks():
@@ -131,27 +131,33 @@ def test_peer_json_keeps_what_a_sweep_cut_short_measured():
     assert all(row["targets"] == {} for row in result["by_rate"])
 
 
-@pytest.mark.parametrize("bad", ["fast", "-5", "0"])
-def test_a_step_target_that_is_not_a_time_is_refused_before_anything_starts(bad, capsys):
+@pytest.mark.parametrize("bad", ["fast", "-5", "0", "inf", "slow:2", "knee:"])
+def test_a_step_policy_it_does_not_know_is_refused_before_anything_starts(bad, capsys):
     from foreserve.cli.main import main
 
-    assert main(["loadtest", "peer", "--tpot-targets", f"knee,{bad}", "--report", "/nonexistent/peer"]) == 2
-    assert f"{bad!r} is neither `knee`, `knee:FRACTION` nor a step time in ms" in capsys.readouterr().err
+    assert main(["loadtest", "peer", "--tpot-targets", f"default,{bad}", "--report", "/nonexistent/peer"]) == 2
+    assert f"{bad!r} is none of `default`, `knee`, `knee:FRACTION`, `slowdown:K` or a step time in ms" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", ["knee:0", "knee:1.5", "knee:x"])
-def test_a_knee_fraction_outside_0_to_1_is_refused_before_anything_starts(bad, capsys):
+@pytest.mark.parametrize("bad, message", [
+    ("knee:0", "a knee's throughput fraction is above 0 and at most 1"),
+    ("knee:1.5", "a knee's throughput fraction is above 0 and at most 1"),
+    ("knee:x", "a knee's throughput fraction is above 0 and at most 1"),
+    ("slowdown:0.5", "a slowdown is at least 1"),
+    ("slowdown:x", "a slowdown is at least 1"),
+])
+def test_a_knee_fraction_or_slowdown_out_of_range_is_refused_before_anything_starts(bad, message, capsys):
     from foreserve.cli.main import main
 
     assert main(["loadtest", "peer", "--tpot-targets", bad, "--report", "/nonexistent/peer"]) == 2
-    assert "a knee's throughput fraction is above 0 and at most 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
     (["--slots", "0"], "--slots and --ctx-tokens must be >= 1"),
     (["--rates", "1,0"], "--rates must be distinct rates above 0"),
     (["--rates", "1,1"], "--rates must be distinct rates above 0"),
-    (["--tpot-targets", "knee,knee"], "names a variant twice"),
+    (["--tpot-targets", "default,default"], "names a variant twice"),
     (["--online-threads", "1,1"], "--online-threads must be distinct counts >= 1"),
     (["--online-threads", "0,2"], "--online-threads must be distinct counts >= 1"),
     (["--tier-mix", "flex=1"], "give --tier-mix an online share"),

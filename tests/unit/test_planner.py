@@ -152,7 +152,7 @@ def test_scheduler_ab_online_beats_fcfs_in_overload():
 def test_scheduler_ab_orders_by_the_given_ranking_estimate():
     """A predictor whose bounds all say max_tokens ranks nothing by its bound; its ranking estimate
     (here exact) lets the online scheduler run short answers first."""
-    runner, config = _cpu_ab_config(knee_throughput_fraction=1.0)  # steps filled to the TPOT objective
+    runner, config = _cpu_ab_config(tpot_slowdown=None, knee_throughput_fraction=1.0)  # steps filled to the TPOT objective
     workload = Workload.lognormal(300, 111, 150, max_tokens=256, seed=2)
     flat = Predictions([9] * 300, [256] * 300, [float(t) for t in workload.output_tokens], "test")
     by_rank, by_bound = (scheduler_ab(runner, config, workload, rates=[0.8], duration_s=40, seeds=1, predictions=flat,
@@ -199,6 +199,8 @@ def test_scheduler_ab_takes_engine_settings_after_the_scheduler_name():
     _, config = _cpu_ab_config()
     tuned = scheduler_config(config, "online:tpot_target_ms=150:knee_throughput_fraction=1")
     assert (tuned.scheduler, tuned.tpot_target_ms, tuned.knee_throughput_fraction) == ("online", 150.0, 1.0)
+    knee = scheduler_config(config, "online:tpot_slowdown=null")
+    assert (config.tpot_slowdown, knee.tpot_slowdown) == (4.0, None)
     assert scheduler_config(config, "fcfs").scheduler == "fcfs"
     with pytest.raises(ValueError, match="field=value"):
         scheduler_config(config, "online:tpot=150")

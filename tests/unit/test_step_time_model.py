@@ -19,7 +19,7 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # a fixed cost above the objective: 300 ms + 1 ms a token
         sched.observe_step(tokens, 0.3 + 0.001 * tokens)
     assert sched.max_running() == 1 and sched.step_token_budget() == MIN_STEP_TOKENS
-    sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0).scheduler
+    sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0, tpot_slowdown=None).scheduler
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # 50 ms + 10 ms a token
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
     assert sched.max_running() == 16  # the knee: 16 tokens a step give 76 tokens/s, 95% of the 80 at the objective's 20
@@ -27,6 +27,8 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     sched.config.knee_throughput_fraction = 1.0
     assert sched.max_running() == 20  # steps fill up to the objective
     sched.config.knee_throughput_fraction = 0.9
+    sched.config.tpot_slowdown = 4.0
+    assert sched.max_running() == 19  # four one-token steps (60 ms each): 240 ms, 19 tokens
     assert sched.aging_tokens_per_s() == 0.0  # the first 8 steps are a replica's warm-up: no pace yet
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
@@ -111,9 +113,9 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
             sched.observe_step(tokens, max(0.010, tokens * 0.0003125))
         return sched
 
-    knee = scheduler()
+    knee = scheduler(tpot_slowdown=None)
     assert knee.max_running() == 32 and knee.step_token_budget() == 32
-    full = scheduler(knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
+    full = scheduler(tpot_slowdown=None, knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
     assert full.max_running() == 128 and full.step_token_budget() == 320  # max_num_seqs 128, budget 512
     target = scheduler(tpot_target_ms=20.0)  # 20 ms = 64 tokens
     assert target.max_running() == 64 and target.step_token_budget() == 64
@@ -121,3 +123,40 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
     assert slow.max_running() == 1 and slow.step_token_budget() == MIN_STEP_TOKENS
     above = scheduler(tpot_target_ms=500.0)  # never past the objective
     assert above.step_token_budget() == 320
+
+
+def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
+    """The default step policy: steps within tpot_slowdown one-token steps, the same multiple of the
+    fixed cost on any machine, never past the TPOT objective."""
+    from app.engine.scheduler.online import MIN_STEP_TOKENS
+
+    def scheduler(fixed_s: float, per_token_s: float, **settings):
+        sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0, max_num_seqs=128,
+                            max_num_batched_tokens=512, **settings).scheduler
+        assert sched.config.tpot_slowdown == settings.get("tpot_slowdown", 4.0)
+        for tokens in (1, 2, 4, 8, 16, 32, 64):
+            sched.observe_step(tokens, fixed_s + per_token_s * tokens)
+        return sched
+
+    cpu = scheduler(0.012, 0.002)  # 14 ms alone: 56 ms steps hold 22 tokens
+    assert cpu.max_running() == 22 and cpu.step_token_budget() == 22
+    assert scheduler(0.012, 0.002, tpot_slowdown=3.0).max_running() == 15  # 42 ms
+    assert scheduler(0.012, 0.001).max_running() == 40  # half the per-token cost: 13 ms alone, 52 ms steps
+    gpu = scheduler(0.010, 0.00002)  # nearly flat: 40.08 ms steps, past the 64 tokens run (proportional from there)
+    assert gpu.max_running() == 128 and gpu.step_token_budget() == 227
+    slow = scheduler(0.1, 0.01)  # 110 ms alone: 4x is past the 250 ms objective, which caps it
+    assert slow.max_running() == 15 and slow.step_token_budget() == MIN_STEP_TOKENS
+    fresh = make_engine("reserve_predicted", "online").scheduler
+    assert fresh.max_running() == fresh.config.max_num_seqs  # nothing measured yet: no cap
+
+
+def test_one_token_step_is_read_off_the_smallest_size_measured():
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    assert model.base_step_s() is None
+    for tokens, step_s in [(8, 0.030), (16, 0.045), (3, 0.016), (4, 0.018)]:
+        model.observe(tokens, step_s)
+    assert model.base_step_s() == 0.016  # 3 tokens, the smallest run: at most a few tokens' cost over
+    model.observe(1, 0.014)
+    assert model.base_step_s() == 0.014

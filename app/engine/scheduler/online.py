@@ -18,7 +18,11 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   that still run at ``knee_throughput_fraction`` of the best tokens/s measured within the TPOT
   objective. Where step time stays flat as the batch grows (a GPU) TPOT stays far below the
   objective at nearly the full throughput; where throughput keeps rising with the batch (a 2-core
-  CPU) the knee is the objective. ``tpot_target_ms`` sets the step time instead.
+  CPU) the knee is the objective. ``tpot_target_ms`` sets the step time instead; ``tpot_slowdown``
+  (the default) sets it to a multiple of the measured one-token step, what a lone answer's TPOT is.
+  With a step time ``a + b * tokens``, a step of ``k * a`` runs at ``1 - 1/k`` of the most tokens/s the
+  per-token cost ``b`` allows, whatever the machine, where the knee's step time is ``a / (1 - f + f *
+  a / objective)``: about 7x ``a`` on a CPU whose one-token step is 12 ms, at f = 0.9 and 250 ms.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
@@ -120,6 +124,13 @@ class StepTimeModel:
                 return ta + (tb - ta) * (tokens - xa) / (xb - xa)
         return points[-1][1] * tokens / points[-1][0]
 
+    def base_step_s(self) -> float | None:
+        """The step time at the smallest size measured (None until measured): a one-token step's once
+        one has run, the fixed cost every step pays, at most over by the few tokens above one."""
+        if sum(self.counts) < 4:
+            return None
+        return self.curve()[0][1]
+
     def knee_tokens(self, limit: int, fraction: float) -> int | None:
         """The fewest tokens a step may carry and still run at ``fraction`` of the best throughput
         (tokens per second of step) measured at up to ``limit`` tokens; None until measured.
@@ -170,11 +181,17 @@ class OnlineScheduler(Scheduler):
         return (-req.priority, req.rank_remaining_tokens, self._admit_order[req.request_id])
 
     def _tpot_cap(self) -> int | None:
-        """Tokens per step (None until measured): within the TPOT target if one is set, else the
-        throughput knee below the TPOT objective."""
+        """Tokens per step (None until measured): within the TPOT target if one is set, else within
+        ``tpot_slowdown`` one-token steps if that is set, else the throughput knee; never past the
+        TPOT objective."""
         slo_s = TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0
         if self.config.tpot_target_ms is not None:
             return self.step_model.max_tokens_within(min(slo_s, self.config.tpot_target_ms / 1000.0))
+        if self.config.tpot_slowdown is not None:
+            base_s = self.step_model.base_step_s()
+            if base_s is None:
+                return None
+            return self.step_model.max_tokens_within(min(slo_s, self.config.tpot_slowdown * base_s))
         slo_cap = self.step_model.max_tokens_within(slo_s)
         if slo_cap is None or self.config.knee_throughput_fraction >= 1.0:
             return slo_cap
