@@ -201,7 +201,7 @@ loadtest-ab: prepare
 # The same online load against llama-server and foreserve, medians of 3 (docs/benchmarks/llama-cpp.md; ~45 min)
 loadtest-llama-cpp: prepare llama-cpp
 	RAY_AUTH_MODE=disabled $(VENV)/bin/foreserve loadtest peer --rates 1.0,1.5 --duration 60 --drain-s 180 --repeats 3 \
-		--tpot-targets knee,100 --report reports/loadtest_peer
+		--tpot-targets default,knee --report reports/loadtest_peer
 
 # Faults under load against a service it starts (docs/chaos.md); exit status 1 if a request hung or broke
 chaos: prepare

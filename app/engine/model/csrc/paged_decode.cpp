@@ -202,7 +202,10 @@ inline __m512 sum_lanes16(const __m512* v) {
 // once and added into the REP heads' sums, held in registers over the 16 tokens.
 // NOTE: at 300 cached tokens, batch 16, one thread, SmolLM2-135M (9 heads, 3 KV heads of 64), a
 // horizontal sum per score and V widened and the sums loaded and stored per head and token made
-// decode attention as slow as all the step's linears (perf: 29% of the process each).
+// decode attention as slow as all the step's linears (perf: 29% of the process each). Since, the
+// call waits on its K/V reads: the K products as vdpbf16ps on the query rounded to bfloat16 (no
+// widening, half the multiplies) timed the same in attention_microbench (b16 cold 12.4-13.2 ms
+// against 11.9-13.6, AMD Zen 4), with perf's samples on the prefetches (17%) and V's loads (13%).
 template <typename KV, int D16, int REP>
 void attend_part_wide(const float* q, const KV* k_pool, const KV* v_pool, const int64_t* table, int64_t t0,
                       int64_t t1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
