@@ -28,7 +28,9 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     assert sched.max_running() == 20  # steps fill up to the objective
     sched.config.knee_throughput_fraction = 0.9
     sched.config.tpot_slowdown = 4.0
-    assert sched.max_running() == 19  # four one-token steps (60 ms each): 240 ms, 19 tokens
+    assert sched.max_running() == 16  # the knee, below four one-token steps (60 ms each: 240 ms, 19 tokens)
+    sched.config.tpot_slowdown = 3.0
+    assert sched.max_running() == 13  # three one-token steps, 180 ms, below the knee
     assert sched.aging_tokens_per_s() == 0.0  # the first 8 steps are a replica's warm-up: no pace yet
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
@@ -115,6 +117,7 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
 
     knee = scheduler(tpot_slowdown=None)
     assert knee.max_running() == 32 and knee.step_token_budget() == 32
+    assert scheduler().max_running() == 32  # the default: the knee, below four one-token steps (40 ms, 128 tokens)
     full = scheduler(tpot_slowdown=None, knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
     assert full.max_running() == 128 and full.step_token_budget() == 320  # max_num_seqs 128, budget 512
     target = scheduler(tpot_target_ms=20.0)  # 20 ms = 64 tokens
@@ -126,8 +129,9 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
 
 
 def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
-    """The default step policy: steps within tpot_slowdown one-token steps, the same multiple of the
-    fixed cost on any machine, never past the TPOT objective."""
+    """Where throughput keeps rising with the step (a CPU), steps within tpot_slowdown one-token
+    steps, the same multiple of the fixed cost on any machine; where it flattens (a GPU), the knee;
+    never past the TPOT objective."""
     from app.engine.scheduler.online import MIN_STEP_TOKENS
 
     def scheduler(fixed_s: float, per_token_s: float, **settings):
@@ -142,8 +146,8 @@ def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
     assert cpu.max_running() == 22 and cpu.step_token_budget() == 22
     assert scheduler(0.012, 0.002, tpot_slowdown=3.0).max_running() == 15  # 42 ms
     assert scheduler(0.012, 0.001).max_running() == 40  # half the per-token cost: 13 ms alone, 52 ms steps
-    gpu = scheduler(0.010, 0.00002)  # nearly flat: 40.08 ms steps, past the 64 tokens run (proportional from there)
-    assert gpu.max_running() == 128 and gpu.step_token_budget() == 227
+    gpu = scheduler(0.010, 0.00002)  # nearly flat: 4 one-token steps hold 227 tokens (proportional past 64)
+    assert gpu.max_running() == 128 and gpu.step_token_budget() == 128  # the knee: twice the 64 run, to learn more
     slow = scheduler(0.1, 0.01)  # 110 ms alone: 4x is past the 250 ms objective, which caps it
     assert slow.max_running() == 15 and slow.step_token_budget() == MIN_STEP_TOKENS
     fresh = make_engine("reserve_predicted", "online").scheduler

@@ -18,11 +18,11 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   that still run at ``knee_throughput_fraction`` of the best tokens/s measured within the TPOT
   objective. Where step time stays flat as the batch grows (a GPU) TPOT stays far below the
   objective at nearly the full throughput; where throughput keeps rising with the batch (a 2-core
-  CPU) the knee is the objective. ``tpot_target_ms`` sets the step time instead; ``tpot_slowdown``
-  (the default) sets it to a multiple of the measured one-token step, what a lone answer's TPOT is.
-  With a step time ``a + b * tokens``, a step of ``k * a`` runs at ``1 - 1/k`` of the most tokens/s the
-  per-token cost ``b`` allows, whatever the machine, where the knee's step time is ``a / (1 - f + f *
-  a / objective)``: about 7x ``a`` on a CPU whose one-token step is 12 ms, at f = 0.9 and 250 ms.
+  CPU) the knee nears the objective: with a step time ``a + b * tokens`` the knee's is ``a / (1 - f + f
+  * a / objective)``, about 7 one-token steps where ``a`` is 12 ms, at f = 0.9 and 250 ms, whatever
+  ``b``. So ``tpot_slowdown`` (default 4) also caps a step at that many one-token steps, the TPOT a
+  lone answer gets: steps of ``k * a`` run at ``1 - 1/k`` of the most tokens/s ``b`` allows on any
+  machine. ``tpot_target_ms`` sets the step time instead.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
@@ -181,21 +181,24 @@ class OnlineScheduler(Scheduler):
         return (-req.priority, req.rank_remaining_tokens, self._admit_order[req.request_id])
 
     def _tpot_cap(self) -> int | None:
-        """Tokens per step (None until measured): within the TPOT target if one is set, else within
-        ``tpot_slowdown`` one-token steps if that is set, else the throughput knee; never past the
-        TPOT objective."""
+        """Tokens per step (None until measured): within the TPOT target if one is set, else the
+        throughput knee below the TPOT objective, and no more than ``tpot_slowdown`` one-token steps
+        take if that is set."""
         slo_s = TPOT_HEADROOM * self.config.tpot_slo_ms / 1000.0
         if self.config.tpot_target_ms is not None:
             return self.step_model.max_tokens_within(min(slo_s, self.config.tpot_target_ms / 1000.0))
+        cap = self.step_model.max_tokens_within(slo_s)
+        if cap is None:
+            return None
+        if self.config.knee_throughput_fraction < 1.0:
+            cap = self.step_model.knee_tokens(cap, self.config.knee_throughput_fraction)
         if self.config.tpot_slowdown is not None:
-            base_s = self.step_model.base_step_s()
-            if base_s is None:
-                return None
-            return self.step_model.max_tokens_within(min(slo_s, self.config.tpot_slowdown * base_s))
-        slo_cap = self.step_model.max_tokens_within(slo_s)
-        if slo_cap is None or self.config.knee_throughput_fraction >= 1.0:
-            return slo_cap
-        return self.step_model.knee_tokens(slo_cap, self.config.knee_throughput_fraction)
+            # NOTE: where tokens/s keeps rising with the batch (a CPU) the knee nears the objective and
+            # this is the smaller; where it flattens early (a GPU) the knee is, and steps past it would
+            # add TPOT for next to no tokens/s
+            slow_s = self.config.tpot_slowdown * self.step_model.base_step_s()  # measured, as the cap above
+            cap = min(cap, self.step_model.max_tokens_within(min(slo_s, slow_s)))
+        return cap
 
     def step_token_budget(self) -> int:
         cap = self._tpot_cap()
