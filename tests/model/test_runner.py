@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.config import EngineConfig
+from app.engine.model.step_inputs import build_step
 from app.engine.outputs import ScheduledChunk, SchedulerOutput
 from app.engine.request import SamplingParams
 from tests.runner_helpers import BLOCK, GREEDY, NEW_TOKENS, QUESTIONS, Seq, play_engine
@@ -367,5 +368,60 @@ def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits
         finally:
             r.ops = ops
     assert torch.equal(fused, plain) and torch.equal(kv_fused[0], r.k_cache) and torch.equal(kv_fused[1], r.v_cache)
-    assert fused.argmax(-1).tolist() != [] and not takes_fused_layers(r._prepare(decode[:1] + [
-        ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]), r.ops.fused_rows)
+    assert fused.argmax(-1).tolist() != []
+    with_prompt = decode[:1] + [ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]
+    assert takes_fused_layers(r._prepare(with_prompt), r.ops.fused_rows)  # its 4 prompt tokens as decode rows
+    assert not takes_fused_layers(build_step(with_prompt, BLOCK, r.rotary, r.k_cache, r.act_dtype, paged=True),
+                                  r.ops.fused_rows)
+
+
+@pytest.mark.model
+def test_prompt_chunks_run_as_decode_rows_give_the_answers_of_the_prefill_path(bf16_runner, prompts, same_weights_model):
+    """A step of decode rows and prompt chunks of at most ``fused_rows`` tokens in all runs the
+    fused layers, a prompt token at position p attending to the pool's [0, p] (``build_step``'s
+    fold). Against the same step through the Python forward's prefill path (SDPA over the gathered
+    context, over its own float32 K/V for a chunk at position 0, where the fold reads the pool's
+    bfloat16) and against transformers in float32 on the same weights: the same argmax, logits no
+    further from float32's than the prefill path's, and the same K/V stored in the first layer (within
+    a bfloat16 step or two in the later ones)."""
+    from app.engine.model.cpu_ops import takes_fused_layers
+
+    r = bf16_runner
+    if r.ops.decode_layer is None:
+        pytest.skip("no fused layers on this CPU (AMX: oneDNN's bfloat16 kernels run the linears)")
+    lens = [len(p) for p in prompts]
+    tables = [list(range(sum(-(-n // BLOCK) for n in lens[:i]), sum(-(-n // BLOCK) for n in lens[:i + 1])))
+              for i in range(len(prompts))]
+    p0, p1, p2 = prompts[:3]
+    with torch.inference_mode():
+        r._forward(r._prepare([ScheduledChunk("a", p0[:-1], 0, tables[0], False, GREEDY, 0),
+                               ScheduledChunk("b", p1[:-7], 0, tables[1], False, GREEDY, 0)]))
+        chunks = [ScheduledChunk("a", p0[-1:], len(p0) - 1, tables[0], True, GREEDY, 0),  # a decode row
+                  ScheduledChunk("b", p1[-7:], len(p1) - 7, tables[1], True, GREEDY, 0),  # a prompt's last chunk
+                  ScheduledChunk("c", p2[:9], 0, tables[2], False, GREEDY, 0)]  # a prompt's first chunk
+        folded_step = r._prepare(chunks)
+        assert takes_fused_layers(folded_step, r.ops.fused_rows) and not folded_step.prefills
+        by_position = sorted(chunks, key=lambda c: c.start_pos)  # rows by the chunks' first positions
+        assert folded_step.decode_lens.tolist() == [pos + 1 for c in by_position
+                                                    for pos in range(c.start_pos, c.start_pos + len(c.token_ids))]
+        kv = r.k_cache.clone(), r.v_cache.clone()
+        folded = r._forward(folded_step)
+        kv_folded = r.k_cache.clone(), r.v_cache.clone()
+        r.k_cache.copy_(kv[0]), r.v_cache.copy_(kv[1])
+        plain_step = build_step(chunks, BLOCK, r.rotary, r.k_cache, r.act_dtype, paged=True)
+        plain = r._forward(plain_step)
+    # the logits' rows by request: the fold orders rows by position, the prefill path decodes first
+    order = [[c.request_id for c in st.sample_chunks].index(name) for st in (folded_step, plain_step) for name in "ab"]
+    folded, plain = folded[order[:2]], plain[order[2:]]
+    assert folded.shape == plain.shape == (2, r.vocab_size)
+    with torch.inference_mode():
+        want = torch.stack([same_weights_model(torch.tensor([p])).logits[0, -1] for p in (p0, p1)])
+    assert folded.argmax(-1).tolist() == plain.argmax(-1).tolist() == want.argmax(-1).tolist()
+    # NOTE: the prefill path's SDPA over the gathered context runs in bfloat16 (the query rounded, the
+    # probabilities too); the paged kernel sums in float32. Largest logit error here: decode row 0.44
+    # both ways (bfloat16 rows in the linears), the prompt chunk's last token 0.19 folded, 0.23 not.
+    err_folded, err_plain = ((x - want).abs().amax(-1) for x in (folded, plain))
+    assert (err_folded <= err_plain + 0.02).all(), (err_folded, err_plain)
+    for got, want in zip(kv_folded, (r.k_cache, r.v_cache)):
+        assert torch.equal(got[0], want[0])  # the first layer's K/V: the same slots, the same bits
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.25)  # later layers: a bfloat16 step or two

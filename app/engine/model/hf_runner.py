@@ -161,8 +161,10 @@ class HFRunner(Runner):
         return ModelRunnerOutput(sampled_token_ids=sampled, step_s=time.perf_counter() - t0)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> Step:
+        # a step the fused layers take runs its prompt chunks as decode rows (``build_step``)
         return build_step(chunks, self.block_size, self.rotary, self.k_cache, self.act_dtype,
-                          paged=self.ops.paged_decode is not None)
+                          paged=self.ops.paged_decode is not None,
+                          paged_rows=self.ops.fused_rows if self.ops.decode_layer is not None else 0)
 
     def _forward(self, step: Step) -> torch.Tensor:
         """Runs all layers over the packed step; returns logits ``[len(sample_rows), vocab]``."""

@@ -52,7 +52,8 @@ class Step:
     slots: torch.Tensor  # [T] flat pool slot of each token
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor
-    num_decode: int  # rows [0, num_decode) are one-token chunks, by ascending context
+    num_decode: int  # rows [0, num_decode) attend through the decode path (one-token chunks by ascending
+    # context, and a folded step's prompt tokens)
     decode: list[DecodeGroup]  # the gather + SDPA path's groups; empty under the paged kernel
     decode_tables: torch.Tensor | None  # the paged kernel's [num_decode, max_blocks] block tables
     decode_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends to
@@ -62,13 +63,20 @@ class Step:
 
 
 def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, like: torch.Tensor,
-               act_dtype: torch.dtype, paged: bool) -> Step:
+               act_dtype: torch.dtype, paged: bool, paged_rows: int = 0) -> Step:
     """The step's tensors for ``chunks`` with KV blocks of ``bs`` tokens: ``rotary`` gives the RoPE
     angles (in ``like``'s dtype and device, then ``act_dtype``); ``paged``: decode rows read the pool
-    through the paged kernel's block tables, else through gather + SDPA groups."""
+    through the paged kernel's block tables, else through gather + SDPA groups. A paged step of at
+    most ``paged_rows`` tokens runs its prompt chunks' tokens as decode rows too: the token at
+    position p attends to the pool's [0, p], where the layer has stored the chunk's K/V before."""
+    # NOTE: a step carrying a prompt chunk took 14 ms more than a decode-only one on one thread here
+    # (SmolLM2-135M, bfloat16, AMD Zen 4; 2.9 ms a decode row, 1.1 ms a prompt token), since only
+    # decode-only steps ran the fused layers (``cpu_ops.takes_fused_layers``): under a TPOT cap of
+    # ~20 tokens a step, a quarter of the online pool's steps carried one.
+    fold = paged and 0 < sum(len(c.token_ids) for c in chunks) <= paged_rows
     # NOTE: one-token chunks first, shortest context first, so each decode group is a slice of rows.
-    decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-    prefills = [c for c in chunks if len(c.token_ids) > 1]
+    decodes = sorted((c for c in chunks if len(c.token_ids) == 1 or fold), key=lambda c: c.start_pos)
+    prefills = [c for c in chunks if len(c.token_ids) > 1 and not fold]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -93,17 +101,19 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
     tables = lens = None
     if paged:
         if decodes:
-            nb = -(-lengths[-1] // bs)  # the longest context's blocks
-            tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes])
-            lens = torch.tensor(lengths)
+            rows = [(c, pos + 1) for c in decodes for pos in range(c.start_pos, c.start_pos + len(c.token_ids))]
+            nb = -(-max(n for _, n in rows) // bs)  # the longest context's blocks
+            tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c, _ in rows])
+            lens = torch.tensor([n for _, n in rows])
     else:
         for a, b in decode_groups(lengths):
             nb = -(-lengths[b - 1] // bs)  # the group's longest context
             table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
             mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths[a:b])[:, None])[:, None, None, :]
             groups.append(DecodeGroup(a, b, torch.tensor(table).view(-1), mask))
+    num_decode = len(tables) if tables is not None else len(decodes)  # folded chunks: a row a token
     plans: list[PrefillPlan] = []
-    row = len(decodes)
+    row = num_decode
     for c in prefills:
         n = len(c.token_ids)
         ctx = c.start_pos + n
@@ -118,6 +128,6 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
     return Step(
         input_ids=torch.tensor(ids), slots=torch.tensor(slots),
         cos=cos[0][:, None, :].to(act_dtype), sin=sin[0][:, None, :].to(act_dtype),
-        num_decode=len(decodes), decode=groups, decode_tables=tables, decode_lens=lens,
+        num_decode=num_decode, decode=groups, decode_tables=tables, decode_lens=lens,
         prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
     )
