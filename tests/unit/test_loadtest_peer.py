@@ -28,7 +28,7 @@ def test_a_variant_sets_the_online_pools_step_policy_and_the_tests_slos(tmp_path
     assert all((o["ttft_slo_ms"], o["tpot_slo_ms"]) == (1500, 200) for o in online)
     policies = [AppConfig.model_validate(c["applications"][0]["args"]).pools["online"] for c in configs]
     assert [(p.tpot_target_ms, p.tpot_slowdown, p.knee_throughput_fraction) for p in policies] == [
-        (None, 4.0, 0.9), (None, None, 0.9), (None, None, 0.7), (None, 3.0, 0.9), (100.0, 4.0, 0.9)]
+        (None, 3.5, 0.9), (None, None, 0.9), (None, None, 0.7), (None, 3.0, 0.9), (100.0, 3.5, 0.9)]
     assert [variant_name(t) for t in specs] == [
         "foreserve", "foreserve knee", "foreserve knee 0.7", "foreserve slowdown 3", "foreserve tpot 100 ms"]
     # nothing else of the service changes: autoscaling stays as configured

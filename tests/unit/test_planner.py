@@ -200,7 +200,7 @@ def test_scheduler_ab_takes_engine_settings_after_the_scheduler_name():
     tuned = scheduler_config(config, "online:tpot_target_ms=150:knee_throughput_fraction=1")
     assert (tuned.scheduler, tuned.tpot_target_ms, tuned.knee_throughput_fraction) == ("online", 150.0, 1.0)
     knee = scheduler_config(config, "online:tpot_slowdown=null")
-    assert (config.tpot_slowdown, knee.tpot_slowdown) == (4.0, None)
+    assert (config.tpot_slowdown, knee.tpot_slowdown) == (3.5, None)
     assert scheduler_config(config, "fcfs").scheduler == "fcfs"
     with pytest.raises(ValueError, match="field=value"):
         scheduler_config(config, "online:tpot=150")

@@ -117,7 +117,7 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
 
     knee = scheduler(tpot_slowdown=None)
     assert knee.max_running() == 32 and knee.step_token_budget() == 32
-    assert scheduler().max_running() == 32  # the default: the knee, below four one-token steps (40 ms, 128 tokens)
+    assert scheduler().max_running() == 32  # the default: the knee, below 3.5 one-token steps (35 ms, 112 tokens)
     full = scheduler(tpot_slowdown=None, knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
     assert full.max_running() == 128 and full.step_token_budget() == 320  # max_num_seqs 128, budget 512
     target = scheduler(tpot_target_ms=20.0)  # 20 ms = 64 tokens
@@ -135,9 +135,9 @@ def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
     from app.engine.scheduler.online import MIN_STEP_TOKENS
 
     def scheduler(fixed_s: float, per_token_s: float, **settings):
+        settings.setdefault("tpot_slowdown", 4.0)
         sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0, max_num_seqs=128,
                             max_num_batched_tokens=512, **settings).scheduler
-        assert sched.config.tpot_slowdown == settings.get("tpot_slowdown", 4.0)
         for tokens in (1, 2, 4, 8, 16, 32, 64):
             sched.observe_step(tokens, fixed_s + per_token_s * tokens)
         return sched
@@ -151,6 +151,7 @@ def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
     slow = scheduler(0.1, 0.01)  # 110 ms alone: 4x is past the 250 ms objective, which caps it
     assert slow.max_running() == 15 and slow.step_token_budget() == MIN_STEP_TOKENS
     fresh = make_engine("reserve_predicted", "online").scheduler
+    assert fresh.config.tpot_slowdown == 3.5  # the default
     assert fresh.max_running() == fresh.config.max_num_seqs  # nothing measured yet: no cap
 
 

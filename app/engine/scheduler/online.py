@@ -20,7 +20,7 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   objective at nearly the full throughput; where throughput keeps rising with the batch (a 2-core
   CPU) the knee nears the objective: with a step time ``a + b * tokens`` the knee's is ``a / (1 - f + f
   * a / objective)``, about 7 one-token steps where ``a`` is 12 ms, at f = 0.9 and 250 ms, whatever
-  ``b``. So ``tpot_slowdown`` (default 4) also caps a step at that many one-token steps, the TPOT a
+  ``b``. So ``tpot_slowdown`` (default 3.5) also caps a step at that many one-token steps, the TPOT a
   lone answer gets: steps of ``k * a`` run at ``1 - 1/k`` of the most tokens/s ``b`` allows on any
   machine. ``tpot_target_ms`` sets the step time instead.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
