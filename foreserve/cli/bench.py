@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from foreserve.cli.common import write_json
 
@@ -40,6 +41,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        step_trace_dir=args.step_trace,
     )
     print_table(report)
     return write_json(args.json, report)
@@ -122,6 +124,9 @@ def add_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
     b.add_argument("--scheduler", choices=("fcfs", "offline", "online"),
                    help="override the scheduler (default: fcfs for reserve_max/paged, offline for the others)")
+    b.add_argument("--step-trace", metavar="DIR", default=os.environ.get("FORESERVE_STEP_TRACE"),
+                   help="write each engine row's step trace (one JSON line a step) into DIR/<repeat>-<row>/ "
+                   "(default: $FORESERVE_STEP_TRACE)")
     b.add_argument("--json", metavar="FILE", help="write the benchmark JSON here")
     b.set_defaults(func=cmd_bench_throughput)
     bp = bench.add_parser("predictor", help="length predictor inference speed: prompts/s at batch 1 and 32")

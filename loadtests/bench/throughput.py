@@ -200,7 +200,10 @@ def run_benchmark(
     max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
     dtype: str = "auto",
+    step_trace_dir: str | None = None,
 ) -> dict:
+    """Every policy and peer of ``policies`` on the same requests; ``step_trace_dir`` writes each
+    engine row's step trace into ``DIR/<repeat>-<row>/``."""
     base = EngineConfig(
         kv_cache_tokens=kv_tokens,
         dtype=dtype,
@@ -233,7 +236,11 @@ def run_benchmark(
         rows: dict[str, list[dict]] = {p: [] for p in [*policies, *(r[0] for r in runs)]}
         for rep in range(repeats):  # NOTE: interleaved, so drift on a noisy machine hits all alike
             for row_name, policy, row_pred in runs:
-                config = base.model_copy(update={"allocation": policy, "scheduler": scheduler or DEFAULT_SCHEDULER[policy]})
+                config = base.model_copy(update={
+                    "allocation": policy,
+                    "scheduler": scheduler or DEFAULT_SCHEDULER[policy],
+                    "step_trace_dir": f"{step_trace_dir}/{rep}-{row_name}" if step_trace_dir else None,
+                })
                 rows[row_name].append(run_policy(config, runner, num_blocks, requests, row_pred, label=f"{rep}-", name=row_name))
                 tqdm.write(f"[{rep + 1}/{repeats}] {row_name}: {rows[row_name][-1]['output_tokens_per_s']} tok/s")
             for peer in (p for p in policies if p in PEERS):

@@ -53,12 +53,29 @@ def test_several_predictors_run_side_by_side():
     assert report["ratios"]["best_policy"] == "reserve_predicted"
 
 
+def test_step_trace_writes_one_folder_per_row_with_every_step(tmp_path):
+    from app.engine.step_trace import read_steps
+
+    report = run_benchmark(["reserve_max", "reserve_predicted"], num_requests=40, kv_tokens=4096, max_tokens=512,
+                           sim="H100-80G:llama-3-70b", tp=2, repeats=2, step_trace_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "0-reserve_max", "0-reserve_predicted", "1-reserve_max", "1-reserve_predicted"]
+    for row in report["results"]:
+        steps = read_steps(sorted((tmp_path / f"0-{row['policy']}").glob("steps-*.jsonl")))
+        assert len(steps) == row["steps"]
+        # every prompt token once (no preemption here), every output token from one step
+        assert row["preemptions"] == 0
+        assert sum(s["prefill_tokens"] for s in steps) == sum(r.prompt_tokens for r in load_trace("validation")[:40])
+        assert sum(s["decode_rows"] for s in steps) + 40 == row["output_tokens"]
+
+
 @pytest.mark.model
 def test_real_model_benchmark_writes_the_json_contract(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--requests", "3", "--max-tokens", "24", "--kv-tokens", "2048",
-               "--policies", ",".join(POLICIES), "--json", str(out)])
+               "--policies", ",".join(POLICIES), "--json", str(out), "--step-trace", str(tmp_path / "trace")])
     assert rc == 0
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == sorted(f"0-{p}" for p in POLICIES)
     report = json.loads(out.read_text())
     total = expected_tokens(3, 24)
     for row in report["results"]:
