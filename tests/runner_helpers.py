@@ -1,4 +1,4 @@
-"""The stand-in engine that drives a model runner step by step (tests/model/test_runner.py,
+"""The stand-in engine that drives a model runner step by step (tests/model/test_runner*.py,
 tests/e2e/test_tp.py): sequences, their chunks, and a loop that samples until EOS or a limit."""
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ QUESTIONS = [
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
 ]
+
+
+def chat_prompts(tokenizer, questions: list[str] = QUESTIONS) -> list[list[int]]:
+    """Each question as the model's chat template renders a user turn, as token ids."""
+    out = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 
 from app.config import EngineConfig
 from app.engine.outputs import ScheduledChunk, SchedulerOutput
-from tests.runner_helpers import BLOCK, GREEDY, QUESTIONS, Seq, play_engine
+from tests.runner_helpers import BLOCK, GREEDY, QUESTIONS, Seq, chat_prompts, play_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,11 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.deepspeed]
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    out = []
-    for q in QUESTIONS[:2]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return chat_prompts(tokenizer, QUESTIONS[:2])
 
 
 def _seqs(prompts: list[list[int]]) -> list[Seq]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.engine_helpers import make_engine
 
 
@@ -165,3 +167,17 @@ def test_one_token_step_is_read_off_the_smallest_size_measured():
     assert model.base_step_s() == 0.016  # 3 tokens, the smallest run: at most a few tokens' cost over
     model.observe(1, 0.014)
     assert model.base_step_s() == 0.014
+
+
+def test_the_fit_is_kept_until_the_next_step_and_callers_get_copies():
+    from app.engine.scheduler.online import StepTimeModel
+
+    model = StepTimeModel()
+    for tokens in (1, 2, 4, 8):
+        model.observe(tokens, 0.01 * tokens)
+    first = model.curve()
+    assert first == [(1.0, 0.01), (2.0, 0.02), (4.0, 0.04), (8.0, 0.08)]
+    first.append((9.0, 0.0))  # a caller's own list
+    assert model.curve() == [(1.0, 0.01), (2.0, 0.02), (4.0, 0.04), (8.0, 0.08)]
+    model.observe(8, 0.18)  # the 8-token bin's mean moves a tenth of the way: 0.09
+    assert model.curve()[-1] == (8.0, pytest.approx(0.09))

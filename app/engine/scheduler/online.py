@@ -65,6 +65,7 @@ class StepTimeModel:
         self.tokens = [0.0] * len(STEP_BINS)
         self.times = [0.0] * len(STEP_BINS)
         self.counts = [0] * len(STEP_BINS)
+        self._curve: list[tuple[float, float]] | None = None  # the fit, until the next observation
 
     def observe(self, tokens: int, step_s: float) -> None:
         if tokens <= 0:
@@ -76,9 +77,17 @@ class StepTimeModel:
             self.tokens[i] += BIN_EWMA * (tokens - self.tokens[i])
             self.times[i] += BIN_EWMA * (step_s - self.times[i])
         self.counts[i] += 1
+        self._curve = None
 
     def curve(self) -> list[tuple[float, float]]:
-        """(tokens, seconds) points of the non-decreasing fit, by increasing tokens."""
+        """(tokens, seconds) points of the non-decreasing fit, by increasing tokens (a copy)."""
+        if self._curve is None:
+            self._curve = self._fit()
+        return list(self._curve)
+
+    def _fit(self) -> list[tuple[float, float]]:
+        # NOTE: a step's scheduling reads the curve several times (the objective's cap, the knee, the
+        # one-token step, the prompt step's time); it changes only when a step is observed
         blocks: list[list[float]] = []  # [weight, weighted time, first token count, last token count]
         for x, t, n in zip(self.tokens, self.times, self.counts):
             if not n:
