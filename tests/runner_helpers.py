@@ -4,6 +4,8 @@ tests/e2e/test_tp.py): sequences, their chunks, and a loop that samples until EO
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.engine.kv.pool import KVPool
@@ -20,6 +22,40 @@ QUESTIONS = [
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
 ]
+
+
+@contextmanager
+def one_thread_runner(dtype: str) -> Iterator:
+    """An HFRunner on a 2,048-token pool with one intra-op thread; torch's thread count (process-wide)
+    is restored after. These batches are tiny, and a second OpenMP thread stalls badly when other
+    processes share the cores."""
+    import torch
+
+    from app.config import EngineConfig
+    from app.engine.model.hf_runner import HFRunner
+
+    threads = torch.get_num_threads()
+    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype=dtype)
+    runner = HFRunner(config, config.kv_pool_blocks(1))
+    try:
+        yield runner
+    finally:
+        runner.shutdown()
+        torch.set_num_threads(threads)
+
+
+def generate_greedy(model, prompts: list[list[int]], eos: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` of ``NEW_TOKENS`` after each prompt: the reference answers."""
+    import torch
+
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                 pad_token_id=eos)
+            refs.append(gen[0, len(ids):].tolist())
+    return refs
 
 
 def chat_prompts(tokenizer, questions: list[str] = QUESTIONS) -> list[list[int]]:

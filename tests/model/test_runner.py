@@ -12,21 +12,15 @@ import torch
 from app.config import EngineConfig
 from app.engine.outputs import ScheduledChunk, SchedulerOutput
 from app.engine.request import SamplingParams
-from tests.runner_helpers import BLOCK, GREEDY, NEW_TOKENS, QUESTIONS, Seq, chat_prompts, play_engine
+from tests.runner_helpers import (
+    BLOCK, GREEDY, NEW_TOKENS, QUESTIONS, Seq, chat_prompts, generate_greedy, one_thread_runner, play_engine,
+)
 
 
 @pytest.fixture(scope="module")
 def runner():
-    from app.engine.model.hf_runner import HFRunner
-
-    # NOTE: one intra-op thread: these batches are tiny, and a second OpenMP thread stalls badly
-    # when other processes share the cores. torch's thread count is process-wide: restore it.
-    threads = torch.get_num_threads()
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="float32")
-    r = HFRunner(config, config.kv_pool_blocks(1))
-    yield r
-    r.shutdown()
-    torch.set_num_threads(threads)
+    with one_thread_runner("float32") as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +40,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def reference(runner, prompts, hf_model) -> list[list[int]]:
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            gen = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                    max_new_tokens=NEW_TOKENS, pad_token_id=runner.eos_token_id)
-            refs.append(gen[0, len(ids):].tolist())
-    return refs
+    return generate_greedy(hf_model, prompts, runner.eos_token_id)
 
 
 @pytest.mark.model

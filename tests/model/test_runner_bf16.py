@@ -10,39 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.config import EngineConfig
 from app.engine.model.step_inputs import build_step
 from app.engine.outputs import ScheduledChunk
-from tests.runner_helpers import BLOCK, GREEDY, NEW_TOKENS, Seq, chat_prompts, play_engine
+from tests.runner_helpers import BLOCK, GREEDY, Seq, chat_prompts, generate_greedy, one_thread_runner, play_engine
 
 
 @pytest.fixture(scope="module")
 def bf16_runner():
-    from app.engine.model.hf_runner import HFRunner
-
-    # NOTE: one intra-op thread, as test_runner.py's runner: torch's thread count is process-wide
-    threads = torch.get_num_threads()
-    config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="bfloat16")
-    r = HFRunner(config, config.kv_pool_blocks(1))
-    yield r
-    r.shutdown()
-    torch.set_num_threads(threads)
+    with one_thread_runner("bfloat16") as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
 def prompts(bf16_runner) -> list[list[int]]:
     return chat_prompts(bf16_runner.tokenizer)
-
-
-def _greedy(model, prompts, eos) -> list[list[int]]:
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                 pad_token_id=eos)
-            refs.append(gen[0, len(ids):].tolist())
-    return refs
 
 
 MIXED = [("b", 1, 10_000, 0), ("c", 2, 13, 0), ("a", 0, 7, 3)]  # whole prefill; chunks of 13; chunks of 7, late
@@ -91,7 +72,7 @@ def test_bfloat16_weights_match_generate_on_the_same_weights(bf16_runner, prompt
     r = bf16_runner
     assert r.k_cache.dtype == torch.bfloat16 and r.act_dtype == torch.float32 and r.ops.paged_decode is not None
     assert r.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16 and len(r.packed) == 30 * 4 + 1
-    same_weights = _greedy(same_weights_model, prompts, r.eos_token_id)
+    same_weights = generate_greedy(same_weights_model, prompts, r.eos_token_id)
     out = play_engine(r, [Seq(name, prompts[i], GREEDY, chunk_tokens=c, start_step=s) for name, i, c, s in MIXED])
     mixed = [out["a"], out["b"], out["c"]]
     alone = [play_engine(r, [Seq("x", p, GREEDY)])["x"] for p in prompts]
@@ -102,7 +83,7 @@ def test_bfloat16_weights_match_generate_on_the_same_weights(bf16_runner, prompt
         return
     bf16 = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).eval()
     assert mixed == same_weights and alone == same_weights
-    assert [a[:16] for a in mixed] == [a[:16] for a in _greedy(bf16, prompts, r.eos_token_id)]
+    assert [a[:16] for a in mixed] == [a[:16] for a in generate_greedy(bf16, prompts, r.eos_token_id)]
 
 
 @pytest.mark.model
