@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
+from app.config import EngineConfig
 from app.engine.kv.pool import KVPool
 from app.engine.outputs import ScheduledChunk, SchedulerOutput
 from app.engine.request import SamplingParams
@@ -29,9 +32,6 @@ def one_thread_runner(dtype: str) -> Iterator:
     """An HFRunner on a 2,048-token pool with one intra-op thread; torch's thread count (process-wide)
     is restored after. These batches are tiny, and a second OpenMP thread stalls badly when other
     processes share the cores."""
-    import torch
-
-    from app.config import EngineConfig
     from app.engine.model.hf_runner import HFRunner
 
     threads = torch.get_num_threads()
@@ -46,8 +46,6 @@ def one_thread_runner(dtype: str) -> Iterator:
 
 def generate_greedy(model, prompts: list[list[int]], eos: int) -> list[list[int]]:
     """transformers' greedy ``generate`` of ``NEW_TOKENS`` after each prompt: the reference answers."""
-    import torch
-
     refs = []
     with torch.inference_mode():
         for ids in prompts:

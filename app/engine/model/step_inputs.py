@@ -97,7 +97,6 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
     pos_t = torch.tensor(positions)
     cos, sin = rotary(like, pos_t[None])
     groups: list[DecodeGroup] = []
-    lengths = [c.start_pos + 1 for c in decodes]
     tables = lens = None
     if paged:
         if decodes:
@@ -105,7 +104,8 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
             nb = -(-max(n for _, n in rows) // bs)  # the longest context's blocks
             tables = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c, _ in rows])
             lens = torch.tensor([n for _, n in rows])
-    else:
+    else:  # never folded: one row a chunk
+        lengths = [c.start_pos + 1 for c in decodes]
         for a, b in decode_groups(lengths):
             nb = -(-lengths[b - 1] // bs)  # the group's longest context
             table = [c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in decodes[a:b]]
