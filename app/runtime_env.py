@@ -41,10 +41,16 @@ def _no_cloudpickle_notes(record: logging.LogRecord) -> bool:
     return "CloudPickle" not in record.getMessage()
 
 
+def step_trace_folder() -> str | None:
+    """The folder ``FORESERVE_STEP_TRACE`` names (the switch `foreserve serve` forwards to every
+    replica), or None."""
+    return os.environ.get("FORESERVE_STEP_TRACE") or None
+
+
 def traced(config: EngineConfig) -> EngineConfig:
-    """``config`` with its step trace on when ``FORESERVE_STEP_TRACE`` names a folder (the switch
-    `foreserve serve` forwards to every replica); the engine itself reads no environment."""
-    folder = os.environ.get("FORESERVE_STEP_TRACE")
+    """``config`` with its step trace on when ``FORESERVE_STEP_TRACE`` names a folder; the engine
+    itself reads no environment."""
+    folder = step_trace_folder()
     return config.model_copy(update={"step_trace_dir": folder}) if folder else config
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from app.runtime_env import step_trace_folder
 from foreserve.cli.common import write_json
 
 POLICY_CHOICES = ("reserve_max", "paged", "reserve_predicted", "oracle", "hf_static", "hf_continuous",
@@ -19,6 +20,12 @@ def _policies(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown policy {bad or text!r}; choose from {', '.join(POLICY_CHOICES)}")
     return names
+
+
+def _trace_folder(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"a file, not a folder: {text!r}")
+    return text
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
@@ -124,7 +131,7 @@ def add_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1, help="repeat runs (interleaved); medians are reported")
     b.add_argument("--scheduler", choices=("fcfs", "offline", "online"),
                    help="override the scheduler (default: fcfs for reserve_max/paged, offline for the others)")
-    b.add_argument("--step-trace", metavar="DIR", default=os.environ.get("FORESERVE_STEP_TRACE"),
+    b.add_argument("--step-trace", metavar="DIR", type=_trace_folder, default=step_trace_folder(),
                    help="write each engine row's step trace (one JSON line a step) into DIR/<repeat>-<row>/ "
                    "(default: $FORESERVE_STEP_TRACE)")
     b.add_argument("--json", metavar="FILE", help="write the benchmark JSON here")

@@ -15,6 +15,7 @@ import pytest
         (["bench", "throughput", "--requests", "0"], "--requests must be >= 1"),
         (["bench", "throughput", "--sim", "H100-80G:llama-3-70b", "--policies", "hf_static"], "hf_* and llama_cpp_* peers"),
         (["bench", "throughput", "--sim", "TPU:llama-3-70b", "--tp", "2", "--policies", "paged"], "TPU"),
+        (["bench", "throughput", "--step-trace", sys.executable], "--step-trace: a file, not a folder"),
     ],
 )
 def test_cli_rejects_bad_input_with_a_message(args, message):
