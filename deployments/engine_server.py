@@ -77,8 +77,10 @@ class EngineServer:
     """Plain class (usable without Serve); ``EngineServerDeployment`` wraps it."""
 
     def __init__(self, pool: str = "online", engine: EngineConfig | dict | None = None, store: str = "",
-                 on_crash: Callable[[BaseException], None] | None = None) -> None:
-        """``on_crash``: what the engine loop calls if it dies (``AsyncLLMEngine``)."""
+                 on_crash: Callable[[BaseException], None] | None = None,
+                 on_ttft_ratio: Callable[[float], None] | None = None) -> None:
+        """``on_crash``: what the engine loop calls if it dies (``AsyncLLMEngine``); ``on_ttft_ratio``:
+        each first token's estimate over its measured time (the pool's histogram)."""
         from predictor.feedback import FeedbackWriter
 
         process_defaults()  # NOTE: a replica started by `serve run` has none of the CLI's settings
@@ -97,6 +99,7 @@ class EngineServer:
         # SLO signals over a time window
         self.ttfts: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)
         self.tpots: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)
+        self.on_ttft_ratio = on_ttft_ratio
 
     def render(self, messages: list[dict]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -125,6 +128,8 @@ class EngineServer:
                 emitted.append(time.time())
                 if len(emitted) == 2 and not req.resume_output_token_ids:  # the first token: TTFT counts now
                     self.ttfts.append((emitted[1], emitted[1] - emitted[0]))
+                if out.ttft_s is not None:
+                    self._first_token(out)
                 finish_reason = out.finish_reason
                 if out.finished:
                     self.window.add(req.prediction, out.num_output_tokens, finish_reason)
@@ -142,6 +147,15 @@ class EngineServer:
             yield {"request_id": req.request_id, "error": {"status_code": 400, "message": str(exc)}}
         except EngineOverloaded as exc:  # load shedding: the ingress answers 429 with Retry-After
             yield {"request_id": req.request_id, "error": {"status_code": 429, "message": str(exc)}}
+
+    def _first_token(self, out) -> None:
+        """The engine's time to this request's first token beside the estimate made at its admission."""
+        estimate = out.ttft_estimate_s
+        logger.info("request %s: first token in %.3f s, estimated %s", out.request_id, out.ttft_s,
+                    "-" if estimate is None else f"{estimate:.3f} s",
+                    extra={"ttft_s": out.ttft_s, "ttft_estimate_s": estimate})
+        if estimate is not None and out.ttft_s > 0 and self.on_ttft_ratio is not None:
+            self.on_ttft_ratio(estimate / out.ttft_s)
 
     def _record_latency(self, emitted: list[float]) -> None:
         if len(emitted) > 2:
@@ -229,8 +243,8 @@ class EngineServerDeployment:
     def __init__(self, pool: str = "online", engine: dict | None = None, store: str = "") -> None:
         from deployments.metrics import PoolMetrics
 
-        self.server = EngineServer(pool, engine, store, on_crash=_end_replica)
         self.metrics = PoolMetrics(pool)
+        self.server = EngineServer(pool, engine, store, on_crash=_end_replica, on_ttft_ratio=self.metrics.ttft_ratio)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         async for item in self.server.generate(request):

@@ -8,6 +8,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 # Seconds; TTFT/E2E up to minutes (offline), TPOT down to milliseconds.
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300]
 TPOT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2]
+# estimated / measured time to first token (1: exact; Ray's histograms take positive boundaries only)
+RATIO_BOUNDARIES = [0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2, 4]
 
 
 class RequestMetrics:
@@ -63,6 +65,12 @@ class PoolMetrics:
         self.gauges = {k: Gauge(f"foreserve_{k}", d, ("pool",)) for k, d in self.GAUGES.items()}
         self.counters = {k: Counter(f"foreserve_{k}", d, ("pool",)) for k, d in self.COUNTERS.items()}
         self._last = dict.fromkeys(self.COUNTERS, 0)
+        self.ttft_ratios = Histogram("foreserve_ttft_estimate_ratio", "Each first token's estimate at admission (the "
+                                     "load shedder's) over the engine's measured time to it (1: exact).",
+                                     RATIO_BOUNDARIES, ("pool",))
+
+    def ttft_ratio(self, ratio: float) -> None:
+        self.ttft_ratios.observe(ratio, self.tags)
 
     def update(self, stats: dict) -> None:
         for key, gauge in self.gauges.items():

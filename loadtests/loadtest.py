@@ -19,10 +19,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from deployments.health import is_serving
 from app.ports import free_port
+from loadtests.shapes import Tokenizer, parse_shape, shaped_items
 from loadtests.stages import Stages, parse_stages
 from loadtests.summary import SLO, read_records, summarize
 
@@ -43,14 +44,29 @@ class LoadSpec(BaseModel):
     think_s: float = Field(0, ge=0)
     ignore_eos: bool = True
     cancel_fraction: float = Field(0.0, ge=0, le=1, description="this share of requests is cancelled by the client mid-answer")
+    shapes: list[str] = Field(default_factory=list, description="PROMPT_TOKENS:OUTPUT_TOKENS shapes, mixed uniformly, "
+                              "instead of ShareGPT's prompts and lengths (loadtests/shapes.py)")
+    arrivals: str = Field("poisson", pattern="^(poisson|constant)$", description="open loop: Poisson arrivals at the "
+                          "rate, or one every 1/rate seconds")
+    tokenizer: str | None = Field(None, description="HF folder whose tokenizer counts a shape's prompt tokens "
+                                  "(default: the embedded model's)")
+
+    @field_validator("shapes")
+    @classmethod
+    def _shapes(cls, shapes: list[str]) -> list[str]:
+        return [str(parse_shape(s)) for s in shapes]
 
     def parsed_stages(self) -> Stages:
         return parse_stages(self.stages)
 
 
+SHAPE_CORPUS_PROMPTS = 3000  # ShareGPT prompts a shaped workload cuts its prompts from (~300k tokens)
+
+
 def build_workload(spec: LoadSpec, path: Path, split: str = "validation") -> int:
-    """Validation-split prompts in a seeded order, max_tokens = true length capped at ``spec.max_tokens``,
-    tiers drawn from the mix; as many as the stages can use (the locustfile cycles if it needs more)."""
+    """Validation-split prompts in a seeded order, max_tokens = true length capped at ``spec.max_tokens``
+    (or, with ``spec.shapes``, prompts of exactly the shapes' tokens: ``loadtests.shapes``), tiers
+    drawn from the mix; as many as the stages can use (the locustfile cycles if it needs more)."""
     from app.prepare.traces import load_trace
 
     rng = random.Random(spec.seed)
@@ -61,6 +77,14 @@ def build_workload(spec: LoadSpec, path: Path, split: str = "validation") -> int
     stages = spec.parsed_stages()
     wanted = int(stages.mean_level() * stages.total_s * 1.5) + 50 if spec.mode == "open" else 2000
     tiers, weights = zip(*spec.tier_mix.items())
+    if spec.shapes:
+        from app import paths
+
+        tokenizer = Tokenizer.from_pretrained(spec.tokenizer or str(paths.model_dir()))
+        items = shaped_items([parse_shape(s) for s in spec.shapes], wanted, [r.user for r in records[:SHAPE_CORPUS_PROMPTS]],
+                             tokenizer, spec.seed, lambda r: r.choices(tiers, weights)[0])
+        path.write_text("".join(json.dumps(item) + "\n" for item in items))
+        return len(items)
     lines = []
     for i in range(min(wanted, len(records))):
         r = records[i]
@@ -154,7 +178,8 @@ def run_locust(spec: LoadSpec, host: str, report: Path, workload: Path, api_key:
            "--fs-workload", str(workload), "--fs-stages", spec.stages, "--fs-mode", spec.mode,
            "--fs-records", str(report / "requests.jsonl"), "--fs-seed", str(spec.seed),
            "--fs-drain-s", str(spec.drain_s), "--fs-think-s", str(spec.think_s),
-           "--fs-ignore-eos", "true" if spec.ignore_eos else "false", "--fs-model", served_model(host)]
+           "--fs-ignore-eos", "true" if spec.ignore_eos else "false", "--fs-model", served_model(host),
+           "--fs-arrivals", spec.arrivals]
     if api_key:
         cmd += ["--fs-api-key", api_key]
     with (report / "locust.log").open("w") as log:
@@ -193,6 +218,7 @@ def _measure(spec: LoadSpec, url: str, report: Path, workload: Path, extra: dict
     stages = spec.parsed_stages()
     config = {"host": url, "mode": spec.mode, "stages": spec.stages, "tier_mix": spec.tier_mix,
               "max_tokens": spec.max_tokens, "seed": spec.seed, "ignore_eos": spec.ignore_eos,
+              "shapes": spec.shapes or None, "arrivals": spec.arrivals,
               "rate": round(stages.mean_level(), 4) if spec.mode == "open" else None,
               "arrival_window_s": stages.total_s, "locust_exit_code": code, **extra}
     summary = summarize(records, spec.slos, config)

@@ -43,6 +43,8 @@ def _options(parser) -> None:
     parser.add_argument("--fs-records", required=True, help="append one JSON line per finished request here")
     parser.add_argument("--fs-model", default="", help="model id sent in the body (default: the first of GET /v1/models)")
     parser.add_argument("--fs-seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--fs-arrivals", choices=("poisson", "constant"), default="poisson",
+                        help="open loop: Poisson arrivals at the stage's rate, or one every 1/rate s")
     parser.add_argument("--fs-drain-s", type=float, default=120, help="open loop: wait this long for requests in flight")
     parser.add_argument("--fs-think-s", type=float, default=0, help="closed loop: pause between a user's requests")
     parser.add_argument("--fs-ignore-eos", choices=("true", "false"), default="true",
@@ -124,7 +126,7 @@ class ChatUser(HttpUser):
         self.send(RUN.next_item(), time.time())
 
     def dispatch(self) -> None:
-        """Poisson arrivals at the stages' rate; every request in its own greenlet."""
+        """Poisson (or evenly spaced) arrivals at the stages' rate; every request in its own greenlet."""
         rng = random.Random(RUN.options.fs_seed)
         t0 = time.monotonic()
         due = 0.0
@@ -141,7 +143,7 @@ class ChatUser(HttpUser):
                 gevent.sleep(wait)
             flying.append(gevent.spawn(self.send, RUN.next_item(), time.time(), (time.monotonic() - t0 - due) * 1000))
             flying = [g for g in flying if not g.dead]
-            due += rng.expovariate(rate)
+            due += 1 / rate if RUN.options.fs_arrivals == "constant" else rng.expovariate(rate)
         gevent.joinall(flying, timeout=RUN.options.fs_drain_s)
         gevent.killall([g for g in flying if not g.dead], block=True, timeout=10)
         RUN.done = True
@@ -153,6 +155,7 @@ class ChatUser(HttpUser):
                 "ignore_eos": RUN.options.fs_ignore_eos == "true", "service_tier": "flex" if tier == "flex" else "default"}
         headers = {"Authorization": f"Bearer {RUN.options.fs_api_key}"} if RUN.options.fs_api_key else {}
         record = {"tier": tier, "start": start, "lag_ms": round(lag_ms, 2), "max_tokens": item["max_tokens"],
+                  "shape": item.get("shape"),
                   "status": 0, "error": None, "ttft_ms": None, "e2e_ms": None, "itl_ms": [], "output_tokens": 0}
         t0 = time.perf_counter()
         last = None

@@ -85,3 +85,31 @@ def run_all(engine: LLMEngine, max_steps: int = 100_000, on_step=None) -> dict[s
         raise AssertionError("engine did not finish")
     assert engine.pool.num_free_blocks == engine.pool.num_blocks, "blocks leaked after all requests finished"
     return outputs
+
+
+def replay_arrivals(engine: LLMEngine, arrivals: list[tuple[float, str, int, int]]) -> tuple[dict[str, list], dict[str, str]]:
+    """Open-loop arrivals on the engine's modelled clock: ``(time, request id, prompt tokens, output
+    tokens)`` in time order, each added once the clock reaches it (idling to it when nothing runs).
+    Returns each answered request's outputs and each refused one's reason (at admission: the
+    ``EngineOverloaded`` message; later: the 429 output's error)."""
+    from app.engine.shedding import EngineOverloaded
+
+    outputs: dict[str, list] = {}
+    refused: dict[str, str] = {}
+    pending = list(arrivals)
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and pending:
+            engine.clock.idle_until(pending[0][0])
+        while pending and pending[0][0] <= engine.clock():
+            _, rid, prompt, output = pending.pop(0)
+            try:
+                add(engine, rid, prompt, output, predicted=output)
+            except EngineOverloaded as exc:
+                refused[rid] = str(exc)
+        for out in engine.step():
+            if out.error is not None:
+                refused[out.request_id] = out.error
+            else:
+                outputs.setdefault(out.request_id, []).append(out)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks, "blocks leaked after all requests finished"
+    return outputs, refused

@@ -14,10 +14,10 @@ from app.engine.outputs import EngineStats, RequestOutput
 from app.engine.request import FINISH_REASONS, EngineRequest, Prediction, Request, RequestStatus, SamplingParams
 from app.engine.runner import Runner
 from app.engine.scheduler import make_scheduler
-from app.engine.shedding import (EngineOverloaded, LoadShedder, awaiting_first_token, first_token_steps, own_prefill_steps,
-                                 prompt_room)
+from app.engine.shedding import EngineOverloaded, LoadShedder  # noqa: F401 - EngineOverloaded: raised from here
 from app.engine.step_trace import StepTrace
 from app.engine.text.detokenizer import Detokenizer, FinalText
+from app.engine.ttft import estimate_ttft, own_ttft_s
 from predictor.base import LengthPredictor, MaxPredictor
 from predictor.buckets import LengthBuckets
 
@@ -62,6 +62,9 @@ class LLMEngine:
         self._trace = StepTrace(config.step_trace_dir, config.scheduler) if config.step_trace_dir else None
         self._faults = FaultFile(config.fault_dir) if config.fault_dir else None
         self.shedder = LoadShedder(config.max_queue_delay_ms) if config.max_queue_delay_ms is not None else None
+        # NOTE: a latency pool estimates each request's first token; a throughput pool with thousands
+        # queued would play every one of them forward at each admission
+        self._estimates = self.shedder is not None or config.scheduler == "online"
 
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
@@ -86,8 +89,6 @@ class LLMEngine:
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
         resumed = request.resume_output_token_ids
-        if self.shedder is not None and not resumed:  # NOTE: a resumed answer is always taken
-            self.shedder.check(self.scheduler.requests.values(), self.clock())
         if resumed and len(resumed) >= sampling.max_tokens:
             raise RequestRejected(f"nothing left to generate: {len(resumed)} of max_tokens {sampling.max_tokens} done")
         total = len(prompt_token_ids) + sampling.max_tokens
@@ -113,9 +114,8 @@ class LLMEngine:
         )
         bound = max(1, min(int(prediction.bound_tokens), sampling.max_tokens))
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), sampling.max_tokens)
-        if self.shedder is not None and not resumed:
-            steps = first_token_steps(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens)
-            self.shedder.check_admission(steps, self.scheduler.recent_step_s, self.scheduler.prompt_step_s())
+        if self._estimates and not resumed:  # NOTE: a resumed answer is always taken
+            self._estimate(req)
         self.scheduler.add(req)
         if request.detokenize and self.tokenizer is not None:
             final_only = not request.stream_text and not sampling.stop and not request.resume_emitted_chars
@@ -124,6 +124,16 @@ class LLMEngine:
                 detok.resume(req.output_token_ids, request.resume_emitted_chars)
             self._detok[req.request_id] = detok
         return req
+
+    def _estimate(self, req: Request) -> None:
+        """Estimate ``req``'s time to first token (app/engine/ttft.py) and, shedding, refuse it
+        (``EngineOverloaded``) if the rule says so (app/engine/shedding.py)."""
+        horizon = 5 * self.shedder.limit_s if self.shedder is not None else float("inf")  # enough to decide
+        estimate = estimate_ttft(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens, horizon)
+        if self.shedder is not None:
+            self.shedder.check_admission(estimate)
+        if estimate is not None:
+            req.ttft_estimate_s, req.own_ttft_s = estimate.total_s, estimate.own_s
 
     @property
     def sequence_limit_tokens(self) -> int:
@@ -172,9 +182,6 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        backlog = False
-        if self.shedder is not None:  # NOTE: no scan per step when shedding is off
-            backlog = next(awaiting_first_token(self.scheduler.requests.values()), None) is not None
         refused = [] if self.shedder is None else [self._refuse(r) for r in self._late()]
         sched_out = self.scheduler.schedule()
         if not sched_out.chunks:
@@ -183,6 +190,9 @@ class LLMEngine:
             return refused
         if self._faults is not None:
             self._faults.before_forward()
+        requests = self.scheduler.requests
+        firsts = {c.request_id for c in sched_out.chunks
+                  if c.sample and (r := requests.get(c.request_id)) is not None and r.first_token_s is None}
         result = self.runner.execute(sched_out)
         self.forward_s += result.step_s
         self.clock.advance(result.step_s)
@@ -191,9 +201,9 @@ class LLMEngine:
             self._trace.write(self.clock(), sched_out, result.step_s, self.scheduler, self.pool)
         touched = self.scheduler.update(sched_out, result)
         if self.shedder is not None:
-            self.shedder.observe(backlog, sum(r.num_output_tokens == 1 for r in touched), result.step_s, self.clock())
+            self.shedder.stepped(self.clock())
         self.output_tokens += len(touched)
-        outputs = [self._output(req) for req in touched]
+        outputs = [self._output(req, req.request_id in firsts) for req in touched]
         failed = [rid for rid, token in result.sampled_token_ids.items() if token is None]
         return refused + outputs + [out for rid in failed if (out := self._fail(rid)) is not None]
 
@@ -208,14 +218,18 @@ class LLMEngine:
                                     "the model produced invalid values (NaN or infinite logits) for this request")
 
     def _late(self) -> list[Request]:
-        """The unstarted requests whose first token can no longer come within the shedding limit
-        (``LoadShedder.late``), their own prompt timed at the step budget and the time of a step that
-        carries prompt chunks (``Scheduler.prompt_step_s``)."""
+        """The unstarted requests whose wait has passed what the shedding rule allows them
+        (``LoadShedder.late``), their own prompt's time as estimated at admission (or now, if the
+        pool had no pace then)."""
         if not self.scheduler.waiting:
             return []
-        step_s = self.scheduler.prompt_step_s() or 0.0  # NOTE: no pace yet (warm-up): the wait alone
-        room = prompt_room(self.scheduler.running, self.scheduler.step_token_budget())  # once a step, not per request
-        return self.shedder.late(self.scheduler.waiting, self.clock(), lambda r: own_prefill_steps(r, room) * step_s)
+
+        def own(req: Request) -> float | None:
+            if req.own_ttft_s is None:
+                req.own_ttft_s = own_ttft_s(req, self.scheduler)
+            return req.own_ttft_s
+
+        return self.shedder.late(self.scheduler.waiting, self.clock(), own)
 
     def _refuse(self, req: Request) -> RequestOutput:
         """Refuse an admitted request whose first token can no longer come within
@@ -224,8 +238,9 @@ class LLMEngine:
         (``loadtests/chaos/score.py``)."""
         waited = self.clock() - self.shedder.since_s(req)
         return self._end_with_error(req, RequestStatus.FINISHED_ABORTED, retryable=True, error=(
-            f"it waited {waited:.1f} s without starting, and its first token can no longer come within this "
-            f"pool's max_queue_delay_ms ({self.shedder.limit_s * 1000:g})"))
+            f"it waited {waited:.1f} s without starting for others ahead (alone its prompt takes {req.own_ttft_s:.1f} s), "
+            f"and its first token can no longer come within this pool's max_queue_delay_ms "
+            f"({self.shedder.limit_s * 1000:g})"))
 
     def _end_with_error(self, req: Request, status: RequestStatus, error: str, retryable: bool = False) -> RequestOutput:
         self.scheduler.finish(req, status)
@@ -244,7 +259,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, first: bool = False) -> RequestOutput:
+        """``first``: this step gave ``req`` its first token here (the output carries its TTFT)."""
         text, hit_stop = "", False
         detok = self._detok.get(req.request_id)
         if detok is not None:
@@ -264,6 +280,8 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            ttft_s=req.first_token_s - req.arrival_s if first else None,
+            ttft_estimate_s=req.ttft_estimate_s if first else None,
         )
 
     def stats(self) -> EngineStats:

@@ -128,6 +128,10 @@ class Request:
     first_token_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None  # the OpenAI word: stop, length, abort
+    # At admission (app/engine/ttft.py): the estimated seconds to the first token, and those its own
+    # prompt takes on an idle pool; None where nothing was estimated (no pace yet, a resumed answer)
+    ttft_estimate_s: float | None = None
+    own_ttft_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,6 +144,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def uncomputed_tokens(self) -> int:
+        """Tokens still to compute before its next token can be sampled: its prompt (or, preempted or
+        resumed, prompt and output so far) until computed, then 1 (a decode)."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int:

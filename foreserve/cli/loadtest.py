@@ -20,6 +20,7 @@ def _comma_separated(cast, what: str):
 
 def _spec(args: argparse.Namespace, stages: str | None = None):
     from loadtests.loadtest import LoadSpec
+    from loadtests.shapes import parse_shape
     from loadtests.stages import parse_stages, parse_tier_mix
     from loadtests.summary import SLO
 
@@ -28,13 +29,19 @@ def _spec(args: argparse.Namespace, stages: str | None = None):
     slos = {"online": SLO(ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms),
             "flex": SLO(ttft_ms=args.flex_ttft_slo_ms or 10 * args.ttft_slo_ms,
                         tpot_ms=args.flex_tpot_slo_ms or 10 * args.tpot_slo_ms)}
+    shapes = [str(parse_shape(s)) for s in args.shape or []]  # a clear error before anything starts
+    if shapes and args.natural_eos:
+        raise ValueError("--shape asks for exactly OUTPUT_TOKENS tokens (ignore_eos); drop --natural-eos")
     return LoadSpec(stages=stages, mode=args.mode, tier_mix=parse_tier_mix(args.tier_mix), max_tokens=args.max_tokens,
                     slos=slos, seed=args.seed, drain_s=args.drain_s, think_s=args.think_s,
-                    ignore_eos=not args.natural_eos)
+                    ignore_eos=not args.natural_eos, shapes=shapes, arrivals=args.arrivals, tokenizer=args.tokenizer)
 
 
 def print_summary(summary: dict) -> None:
-    print(f"{summary['duration_s']:.0f} s at {summary['rate']} req/s offered; SLOs {json.dumps(summary['slo'])}")
+    config = summary.get("config", {})
+    workload = f"shapes {','.join(config['shapes'])}" if config.get("shapes") else "ShareGPT prompts"
+    print(f"{summary['duration_s']:.0f} s at {summary['rate']} req/s offered ({config.get('arrivals', 'poisson')} "
+          f"arrivals, {workload}); SLOs {json.dumps(summary['slo'])}")
     print(f"{'tier':>6} {'reqs':>5} {'fail':>4} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90 ms':>16} {'E2E mean ms':>11} "
           f"{'SLO ok':>7} {'goodput':>8} {'tok/s':>6}")
     for tier, s in summary["tiers"].items():
@@ -149,7 +156,15 @@ def cmd_stub_check(args: argparse.Namespace) -> int:
 
 
 def _load_options(p, rate_default: float = 0.5) -> None:
-    p.add_argument("--rate", type=float, default=rate_default, help=f"requests/s, Poisson arrivals (default {rate_default})")
+    p.add_argument("--rate", type=float, default=rate_default, help=f"requests/s (default {rate_default})")
+    p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson",
+                   help="open loop: Poisson arrivals at the rate (default), or one every 1/rate s (guidellm's constant)")
+    p.add_argument("--shape", action="append", metavar="PROMPT_TOKENS:OUTPUT_TOKENS",
+                   help="fixed-shape requests instead of ShareGPT's: prompts of exactly PROMPT_TOKENS tokens asking "
+                   "for exactly OUTPUT_TOKENS (ignore_eos); repeat it to mix shapes uniformly, e.g. --shape 256:128 "
+                   "--shape 1024:32")
+    p.add_argument("--tokenizer", help="HF folder whose tokenizer counts --shape's prompt tokens (default: the "
+                   "embedded model's)")
     p.add_argument("--duration", type=float, default=60, help="seconds of arrivals (default 60)")
     p.add_argument("--ttft-slo-ms", type=float, default=2000, help="online TTFT objective (default 2000, as serve_config.yaml)")
     p.add_argument("--tpot-slo-ms", type=float, default=250, help="online TPOT objective (default 250, as serve_config.yaml)")

@@ -108,3 +108,28 @@ def test_closed_loop_users_send_back_to_back(stub, tmp_path):
     assert max_in_flight(records) <= 2
     assert 2 < len(records) <= 30 and summary["tiers"]["flex"]["requests"] == 0
     assert summary["config"]["mode"] == "closed" and summary["rate"] is None
+
+
+@pytest.mark.model  # the shapes count the embedded model's tokens
+def test_fixed_shapes_at_a_constant_rate(stub, tmp_path):
+    """``--shape`` prompts of exactly their tokens in the served model's tokenizer, asking for exactly
+    their output tokens; ``--arrivals constant`` sends one every 1/rate s: 20 in 4 s at 5/s."""
+    from app import paths
+    from loadtests.shapes import Tokenizer
+
+    spec = _spec(shapes=["64:6", "200:3"], arrivals="constant", tier_mix={"online": 1.0, "flex": 0.0})
+    workload = tmp_path / "workload.jsonl"
+    build_workload(spec, workload)
+    items = [json.loads(line) for line in workload.read_text().splitlines()]
+    tok = Tokenizer.from_pretrained(str(paths.model_dir()))
+    assert {i["shape"] for i in items} == {"64:6", "200:3"}
+    assert all(len(tok.encode(i["prompt"])) == int(i["shape"].split(":")[0]) for i in items)
+    assert all(i["max_tokens"] == int(i["shape"].split(":")[1]) for i in items)
+    _measure(spec, stub, tmp_path, workload, {}, plots=False)
+    records = sorted((json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()),
+                     key=lambda r: r["start"])
+    assert len(records) == 20
+    gaps = [b["start"] - a["start"] for a, b in zip(records, records[1:])]
+    assert all(0.1 < g < 0.3 for g in gaps), gaps  # evenly spaced, 0.2 s apart (send lag aside)
+    ok = [r for r in records if not r["error"]]
+    assert all(r["output_tokens"] == int(r["shape"].split(":")[1]) for r in ok)

@@ -20,7 +20,7 @@ def test_online_tpot_cap_and_aging_follow_the_measured_steps():
     assert sched.max_running() == sched.config.max_num_seqs and sched.aging_tokens_per_s() == 0.0  # nothing measured
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # a fixed cost above the objective: 300 ms + 1 ms a token
         sched.observe_step(tokens, 0.3 + 0.001 * tokens)
-    assert sched.max_running() == 1 and sched.step_token_budget() == MIN_STEP_TOKENS
+    assert sched.max_running() == 1 and sched.decode_step_budget() == MIN_STEP_TOKENS
     sched = make_engine("reserve_predicted", "online", tpot_slo_ms=250.0, tpot_slowdown=None).scheduler
     for tokens in (1, 4, 8, 16, 32, 1, 4, 8):  # 50 ms + 10 ms a token
         sched.observe_step(tokens, 0.05 + 0.01 * tokens)
@@ -118,16 +118,16 @@ def test_online_step_budget_is_the_knee_or_the_tpot_target():
         return sched
 
     knee = scheduler(tpot_slowdown=None)
-    assert knee.max_running() == 32 and knee.step_token_budget() == 32
+    assert knee.max_running() == 32 and knee.decode_step_budget() == 32
     assert scheduler().max_running() == 32  # the default: the knee, below 3.5 one-token steps (35 ms, 112 tokens)
     full = scheduler(tpot_slowdown=None, knee_throughput_fraction=1.0)  # the TPOT objective itself: 100 ms = 320 tokens
-    assert full.max_running() == 128 and full.step_token_budget() == 320  # max_num_seqs 128, budget 512
+    assert full.max_running() == 128 and full.decode_step_budget() == 320  # max_num_seqs 128, budget 512
     target = scheduler(tpot_target_ms=20.0)  # 20 ms = 64 tokens
-    assert target.max_running() == 64 and target.step_token_budget() == 64
+    assert target.max_running() == 64 and target.decode_step_budget() == 64
     slow = scheduler(tpot_target_ms=1.0)
-    assert slow.max_running() == 1 and slow.step_token_budget() == MIN_STEP_TOKENS
+    assert slow.max_running() == 1 and slow.decode_step_budget() == MIN_STEP_TOKENS
     above = scheduler(tpot_target_ms=500.0)  # never past the objective
-    assert above.step_token_budget() == 320
+    assert above.decode_step_budget() == 320
 
 
 def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
@@ -145,13 +145,13 @@ def test_online_step_budget_within_the_slowdown_follows_the_one_token_step():
         return sched
 
     cpu = scheduler(0.012, 0.002)  # 14 ms alone: 56 ms steps hold 22 tokens
-    assert cpu.max_running() == 22 and cpu.step_token_budget() == 22
+    assert cpu.max_running() == 22 and cpu.decode_step_budget() == 22
     assert scheduler(0.012, 0.002, tpot_slowdown=3.0).max_running() == 15  # 42 ms
     assert scheduler(0.012, 0.001).max_running() == 40  # half the per-token cost: 13 ms alone, 52 ms steps
     gpu = scheduler(0.010, 0.00002)  # nearly flat: 4 one-token steps hold 227 tokens (proportional past 64)
-    assert gpu.max_running() == 128 and gpu.step_token_budget() == 128  # the knee: twice the 64 run, to learn more
+    assert gpu.max_running() == 128 and gpu.decode_step_budget() == 128  # the knee: twice the 64 run, to learn more
     slow = scheduler(0.1, 0.01)  # 110 ms alone: 4x is past the 250 ms objective, which caps it
-    assert slow.max_running() == 15 and slow.step_token_budget() == MIN_STEP_TOKENS
+    assert slow.max_running() == 15 and slow.decode_step_budget() == MIN_STEP_TOKENS
     fresh = make_engine("reserve_predicted", "online").scheduler
     assert fresh.config.tpot_slowdown == 3.5  # the default
     assert fresh.max_running() == fresh.config.max_num_seqs  # nothing measured yet: no cap

@@ -15,6 +15,7 @@ from app.config import EngineConfig
 from app.engine.kv.allocation import AllocationPolicy, Grow
 from app.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from app.engine.request import FINISH_REASONS, Request, RequestStatus
+from app.engine.scheduler.step_time import StepTimeModel
 
 STEP_EMA = 0.1  # weight of the newest step in the recent step time
 WARMUP_STEPS = 8  # a replica's first steps carry one-time kernel warm-up: not its pace
@@ -53,32 +54,51 @@ class Scheduler:
         self._waiting_version = 0  # bumped whenever the waiting queue changes
         self.recent_step_s: float | None = None  # moving average of the step time, past the warm-up steps
         self._steps_observed = 0
+        self.step_model = StepTimeModel()  # step time by the tokens a step carries
 
     # -- ordering hooks ----------------------------------------------------------------------
+    def waiting_key(self) -> Callable[[Request], tuple]:
+        """The sort key of admission's order, as of now."""
+        return lambda r: (-r.priority, r.arrival_s)
+
     def waiting_order(self) -> list[Request]:
         """Waiting requests in the order admission should try them."""
-        return sorted(self.waiting, key=lambda r: (-r.priority, r.arrival_s))
+        return sorted(self.waiting, key=self.waiting_key())
 
     def running_key(self, req: Request) -> tuple:
         """Sort key of running requests: first scheduled first, preempted last."""
         return (-req.priority, self._admit_order[req.request_id])
 
     def step_token_budget(self) -> int:
+        """Tokens the next step may carry: decodes first, prompt chunks in what is left."""
+        return self.config.max_num_batched_tokens
+
+    def decode_step_budget(self) -> int:
+        """Tokens a step may carry while answers decode in it (the online scheduler's TPOT cap)."""
         return self.config.max_num_batched_tokens
 
     def max_running(self) -> int:
         return self.config.max_num_seqs
 
-    def prompt_step_s(self) -> float | None:
-        """Seconds of a step that carries prompt chunks (the load shedder times the prompts ahead of
-        a new request's first token by it): the recent step time, None before the warm-up is past."""
-        return self.recent_step_s
+    def ahead_of(self, req: Request) -> list[Request]:
+        """The waiting requests that admission would try before ``req`` (not yet queued), in order."""
+        key = self.waiting_key()
+        mine = key(req)
+        return [r for r in sorted(self.waiting, key=key) if key(r) <= mine and r is not req]  # ties: the queued first
+
+    def step_time_s(self, tokens: int) -> float | None:
+        """Seconds a step of ``tokens`` takes, by the steps of that size run so far (the recent step
+        time until the model has seen a few); None before the warm-up is past."""
+        if self.recent_step_s is None:
+            return None
+        modelled = self.step_model.time_at(tokens)
+        return self.recent_step_s if modelled is None else modelled
 
     def observe_step(self, num_tokens: int, step_s: float) -> None:
-        """Feedback after each step: the recent step time, which the online scheduler's aging and
-        the load shedder read, past a replica's first ``WARMUP_STEPS`` (the online scheduler also
-        learns its step-time model here)."""
+        """Feedback after each step: the step-time model, and the recent step time, which the
+        online scheduler's aging and the load shedder read, past a replica's first ``WARMUP_STEPS``."""
         self._steps_observed += 1
+        self.step_model.observe(num_tokens, step_s, self.clock())
         if step_s > 0 and self._steps_observed > WARMUP_STEPS:
             recent = self.recent_step_s
             self.recent_step_s = step_s if recent is None else (1 - STEP_EMA) * recent + STEP_EMA * step_s
@@ -148,12 +168,12 @@ class Scheduler:
         # Ordered by priority alone, the online scheduler let a short request's prompt chunks
         # take the step from the long answers already decoding, which stalled them (TPOT up,
         # tokens/s down). Victims still come from the end of ``running``, by priority.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.uncomputed_tokens > 1):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.uncomputed_tokens, budget)
             while True:
                 result = self.policy.grow(req, num_new)
                 if result is Grow.OK:

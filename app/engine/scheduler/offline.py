@@ -9,6 +9,8 @@ steady stream of small requests cannot starve a large one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from app.engine.request import Request
 from app.engine.scheduler.base import Scheduler
 
@@ -17,9 +19,9 @@ class OfflineScheduler(Scheduler):
     name = "offline"
     skip_unfit = True
 
-    def waiting_order(self) -> list[Request]:
+    def waiting_key(self) -> Callable[[Request], tuple]:
         reserve = self.policy.reservation_tokens
-        return sorted(self.waiting, key=lambda r: (-r.priority, -reserve(r), r.arrival_s))
+        return lambda r: (-r.priority, -reserve(r), r.arrival_s)
 
     def must_wait_for(self, req: Request) -> bool:
         return req.num_overtaken >= self.config.max_overtakes
