@@ -62,9 +62,6 @@ class LLMEngine:
         self._trace = StepTrace(config.step_trace_dir, config.scheduler) if config.step_trace_dir else None
         self._faults = FaultFile(config.fault_dir) if config.fault_dir else None
         self.shedder = LoadShedder(config.max_queue_delay_ms) if config.max_queue_delay_ms is not None else None
-        # NOTE: a latency pool estimates each request's first token; a throughput pool with thousands
-        # queued would play every one of them forward at each admission
-        self._estimates = self.shedder is not None or config.scheduler == "online"
 
     @classmethod
     def from_config(cls, config: EngineConfig, predictor: LengthPredictor | None = None, feedback=None) -> "LLMEngine":
@@ -114,7 +111,7 @@ class LLMEngine:
         )
         bound = max(1, min(int(prediction.bound_tokens), sampling.max_tokens))
         req.predicted_output_tokens = min(max(bound, req.num_output_tokens + 1), sampling.max_tokens)
-        if self._estimates and not resumed:  # NOTE: a resumed answer is always taken
+        if self.shedder is not None and not resumed:  # NOTE: a resumed answer is always taken
             self._estimate(req)
         self.scheduler.add(req)
         if request.detokenize and self.tokenizer is not None:
@@ -126,12 +123,12 @@ class LLMEngine:
         return req
 
     def _estimate(self, req: Request) -> None:
-        """Estimate ``req``'s time to first token (app/engine/ttft.py) and, shedding, refuse it
-        (``EngineOverloaded``) if the rule says so (app/engine/shedding.py)."""
-        horizon = 5 * self.shedder.limit_s if self.shedder is not None else float("inf")  # enough to decide
-        estimate = estimate_ttft(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens, horizon)
-        if self.shedder is not None:
-            self.shedder.check_admission(estimate)
+        """Estimate ``req``'s time to first token (app/engine/ttft.py) and refuse it
+        (``EngineOverloaded``) if the shedding rule says so (app/engine/shedding.py)."""
+        # NOTE: played forward just far enough to decide (a queue of thousands would cost each admission more)
+        estimate = estimate_ttft(req, self.scheduler, self.policy.reservation_tokens, self.pool.capacity_tokens,
+                                 max_delay_s=5 * self.shedder.limit_s)
+        self.shedder.check_admission(estimate)
         if estimate is not None:
             req.ttft_estimate_s, req.own_ttft_s = estimate.total_s, estimate.own_s
 

@@ -53,7 +53,7 @@ class RequestOutput:
     error: str | None = None  # the request failed (finish_reason "error"): why
     retryable: bool = False  # refused, not failed: it waited past max_queue_delay_ms unstarted (429)
     # On the output with its first token here: the seconds since it was queued, and the estimate made
-    # then (app/engine/ttft.py; None where none was made: no pace yet, a resumed answer, a throughput pool)
+    # then (app/engine/ttft.py, by a pool that sheds load; None where none was made: no pace yet, a resumed answer)
     ttft_s: float | None = None
     ttft_estimate_s: float | None = None
 

@@ -128,8 +128,8 @@ class Request:
     first_token_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None  # the OpenAI word: stop, length, abort
-    # At admission (app/engine/ttft.py): the estimated seconds to the first token, and those its own
-    # prompt takes on an idle pool; None where nothing was estimated (no pace yet, a resumed answer)
+    # At admission to a pool that sheds load (app/engine/ttft.py): the estimated seconds to the first token,
+    # and those its own prompt takes on an idle pool; None where nothing was estimated (no pace yet, resumed)
     ttft_estimate_s: float | None = None
     own_ttft_s: float | None = None
 

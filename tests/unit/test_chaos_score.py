@@ -155,7 +155,8 @@ def test_overload_tells_refusals_at_the_door_from_those_after_a_whole_wait():
         body = f'{{"error": {{"message": "The online pool is too busy to answer in time: {why}; retry after 2 s."}}}}'
         return {**_record(0, f"HTTP 429: {body}", 429, 0, e2e_ms), "retry_after": "2", "tier": "online"}
 
-    door = "the oldest waiting request has waited 4.1 s, past this pool's max_queue_delay_ms (4000)"
+    door = ("this request's first token is about 4.6 s away, 4.1 s of it for others ahead (alone it takes 0.5 s), "
+            "past this pool's max_queue_delay_ms (4000)")
     late = "it waited 3.9 s without starting, and its first token can no longer come within this pool's max_queue_delay_ms (4000)"
     records = [refused(door, ms) for ms in (30, 40, 900)] + [refused(late, ms) for ms in (4100, 4700)]
     records += [{**_record(i), "tier": "online", "ttft_ms": 500 + 100 * i} for i in range(4)]
