@@ -152,6 +152,11 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def decoding(self) -> bool:
+        """Through its prompt: each step computes its one next token (a decode row)."""
+        return self.uncomputed_tokens <= 1
+
+    @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_token_ids) + self.sampling.max_tokens
 

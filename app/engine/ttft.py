@@ -64,13 +64,6 @@ def admission_steps(need_tokens: int, free_tokens: int, running: list[tuple[int,
     return starts
 
 
-def steps_until_admitted(need_tokens: int, free_tokens: int, running: list[tuple[int, int]],
-                         queue: list[tuple[int, int]] = (), slots: int | None = None) -> int | None:
-    """``admission_steps`` of the last request alone."""
-    starts = admission_steps(need_tokens, free_tokens, running, queue, slots)
-    return None if starts is None else starts[-1]
-
-
 def steps_left(req: Request) -> int:
     """Steps to its predicted end, counting the one that samples its next token."""
     return max(1, req.predicted_output_tokens - req.num_output_tokens)
@@ -112,11 +105,10 @@ def estimate_ttft(new: Request, scheduler: Scheduler, reserve: Callable[[Request
     starts = queue_start_steps(new, ahead, running, reserve, capacity_tokens, scheduler.max_running())
     if starts is None:
         return None
-    ends = [steps_left(r) for r in running if r.uncomputed_tokens <= 1]
+    ends = [steps_left(r) for r in running if r.decoding]
     heapq.heapify(ends)
     # (request, prompt tokens left, the step from which room for it is free)
-    prompts = deque((r, r.uncomputed_tokens, 0) for r in sorted(running, key=scheduler.running_key)
-                    if r.uncomputed_tokens > 1)
+    prompts = deque((r, r.uncomputed_tokens, 0) for r in sorted(running, key=scheduler.running_key) if not r.decoding)
     prompts.extend((r, r.uncomputed_tokens, start) for r, start in zip([*ahead, new], starts))
     idle_budget, decode_budget = scheduler.config.max_num_batched_tokens, scheduler.decode_step_budget()
     total = 0.0

@@ -168,7 +168,7 @@ class Scheduler:
         # Ordered by priority alone, the online scheduler let a short request's prompt chunks
         # take the step from the long answers already decoding, which stalled them (TPOT up,
         # tokens/s down). Victims still come from the end of ``running``, by priority.
-        for req in sorted(self.running, key=lambda r: r.uncomputed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: not r.decoding):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:

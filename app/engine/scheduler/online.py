@@ -86,7 +86,7 @@ class OnlineScheduler(Scheduler):
         # NOTE: the cap keeps the decoding answers' TPOT; with none decoding there is no TPOT to keep,
         # and a prompt takes the whole step: in chunks of the cap's few dozen tokens a lone long prompt
         # paid the fixed cost of many small steps before its first token
-        if not any(r.uncomputed_tokens <= 1 for r in self.running):
+        if not any(r.decoding for r in self.running):
             return self.config.max_num_batched_tokens
         return self.decode_step_budget()
 

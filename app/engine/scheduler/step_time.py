@@ -56,9 +56,13 @@ class StepTimeModel:
 
     def curve(self) -> list[tuple[float, float]]:
         """(tokens, seconds) points of the non-decreasing fit, by increasing tokens (a copy)."""
+        return list(self._points())
+
+    def _points(self) -> list[tuple[float, float]]:
+        # NOTE: the fit itself, not a copy: the load shedder's estimate reads it once a step it plays forward
         if self._curve is None:
             self._curve = self._fit()
-        return list(self._curve)
+        return self._curve
 
     def _fit(self) -> list[tuple[float, float]]:
         # NOTE: a step's scheduling reads the curve several times (the objective's cap, the knee, the
@@ -85,7 +89,7 @@ class StepTimeModel:
         """The most tokens a step may carry and still take at most ``step_s`` (None until measured)."""
         if sum(self.counts) < 4:
             return None
-        points = self.curve()
+        points = self._points()
         x0, t0 = points[0]
         if t0 > step_s:
             return int(x0 * step_s / t0)  # even the smallest step misses: shrink below it (0 means none)
@@ -100,7 +104,7 @@ class StepTimeModel:
         sizes measured, proportional to tokens below the smallest and past the largest."""
         if sum(self.counts) < 4:
             return None
-        points = self.curve()
+        points = self._points()
         if tokens <= points[0][0]:
             return points[0][1] * tokens / points[0][0]
         for (xa, ta), (xb, tb) in zip(points, points[1:]):
@@ -113,7 +117,7 @@ class StepTimeModel:
         one has run, the fixed cost every step pays, at most over by the few tokens above one."""
         if sum(self.counts) < 4:
             return None
-        return self.curve()[0][1]
+        return self._points()[0][1]
 
     def knee_tokens(self, limit: int, fraction: float) -> int | None:
         """The fewest tokens a step may carry and still run at ``fraction`` of the best throughput
@@ -125,7 +129,7 @@ class StepTimeModel:
         flattens, since past the sizes run it cannot tell."""
         if sum(self.counts) < 4:
             return None
-        curve = self.curve()
+        curve = self._points()
         points = [(x, t) for x, t in curve if x <= limit and t > 0]
         if not points:
             return limit  # every size measured is above the limit: nothing smaller to choose by
