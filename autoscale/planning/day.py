@@ -3,20 +3,26 @@
 - ``static_peak``: an online pool sized for the peak minute and an offline pool sized for the
   day's offline tokens, both up all day (what a fleet without elasticity runs).
 - ``elastic``: the real ``ElasticPolicy`` (through Ray Serve's own delay/bounds wrapper) decides
-  both pools every minute within a budget of the static fleet's online replicas: online follows the
-  load, offline soaks up what online leaves, and both shrink when not needed (GPU-hours count only
-  replicas that are up).
+  both pools every minute within a budget of the static fleet's replicas: online follows the load,
+  offline soaks up what online leaves, and both shrink when not needed (GPU-hours count only
+  replicas that are up). With the offline pool at zero its backlog is reported by the ingress's
+  gate, as in serving.
 
 One replica's behaviour comes from the engine simulator (autoscale/planning/capacity.py): its SLO capacity
 (rate where p99 TTFT/TPOT meet the SLOs), how p99 TTFT grows with load below and above it, and its
 offline tokens/s. Each minute is a fluid step: a pool at load ``rho = rate / (replicas * capacity)``
 has the simulated p99 TTFT at that load; above capacity a queue builds and drains. New replicas
 serve from the minute after they are requested (startup).
+
+Both fleets run several identical days and the last is counted, so neither is credited with (or
+charged for) a backlog left by the first. The books compare them on the same work: offline tokens
+arrived, done, and the backlog at the counted day's start and end.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from unittest import mock
 
 import numpy as np
@@ -25,6 +31,7 @@ from autoscale.planning.capacity import PoolSpec, Workload, offline_throughput, 
 
 LOADS = (0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25)
 TICK_S = 60.0
+KEPT_UP_SLACK = 0.005  # of the day's offline arrivals: the backlog may end the day this much above its start
 
 
 def diurnal_rates(peak_rps: float, trough_frac: float = 0.2, minutes: int = 1440, peak_minute: int = 14 * 60) -> np.ndarray:
@@ -67,108 +74,166 @@ def _per_replica(n: int, **values: float) -> dict:
     return {k: {f"r{i}": float(v) for i in range(n)} for k, v in values.items()}
 
 
-def simulate_day(model: dict, peak_rps: float, offline_tokens_per_day: float, ttft_slo_ms: float,
-                 tpot_slo_ms: float, trough_frac: float = 0.2, policy_kwargs: dict | None = None) -> dict:
-    """Both fleets over one day; ``model`` from ``replica_model``. Returns per-fleet totals and series."""
-    from ray.serve._private.common import DeploymentID
-    from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
-    from ray.serve.config import AutoscalingConfig
+@dataclass
+class Minute:
+    """One fleet's minute: what it ran and how it went."""
 
-    from autoscale.decisions import DecisionLog
-    from autoscale.policy import ElasticPolicy
+    rate: float
+    online: int
+    offline: int
+    ttft_ms: float
+    load: float       # online rate over the pool's SLO capacity
+    queue: float      # online requests waiting past the minute
+    backlog: float    # offline tokens arrived and not done, at the minute's end
+    done: float       # offline tokens done in the minute
 
-    cap, ttft_curve, kv_curve = model["capacity_rps"], model["ttft_p99_ms"], model["kv_util"]
-    batch_curve, tp = model["running_batch"], model["tensor_parallel_size"]
-    off_tps = model["offline_tokens_per_s"]
-    day = diurnal_rates(peak_rps, trough_frac)
-    minutes = len(day)
-    rates = np.concatenate([day, day])  # NOTE: day 1 warms up (offline backlog carried over); day 2 counts
-    static_online = math.ceil(rates.max() / cap)
-    static_offline = math.ceil(offline_tokens_per_day / (off_tps * 86400)) if offline_tokens_per_day else 0
-    arrivals_per_min = offline_tokens_per_day / minutes
 
-    def ttft_at(rho: float, queue_s: float) -> float:
-        return float(np.interp(rho, LOADS, ttft_curve, left=ttft_curve[0])) + queue_s * 1000
+class Fleet:
+    """The fluid state of one fleet: online queue and offline backlog, minute by minute."""
 
-    def minute(online: int, rate: float, queue: float) -> tuple[float, float, float]:
-        """(p99 TTFT ms, requests still queued, load) after one minute of ``rate`` on ``online`` replicas."""
-        served = online * cap * TICK_S
-        queue = max(0.0, queue + rate * TICK_S - served)
-        rho = rate / (online * cap) if online else math.inf
-        wait_s = queue / (online * cap) if online else math.inf
-        return (ttft_at(min(rho, LOADS[-1]), wait_s) if online else math.inf), queue, rho
+    def __init__(self, model: dict, offline_tokens_per_day: float) -> None:
+        self.cap, self.off_tps = model["capacity_rps"], model["offline_tokens_per_s"]
+        self.ttft_curve = model["ttft_p99_ms"]
+        self.arrivals_per_min = offline_tokens_per_day / 1440
+        self.queue = self.backlog = 0.0
+        self.minutes: list[Minute] = []
 
-    def drain(backlog: float, replicas: int) -> tuple[float, float]:
-        """(backlog left, tokens done) after a minute of offline arrivals and ``replicas`` working."""
-        backlog += arrivals_per_min
-        done = min(backlog, replicas * off_tps * TICK_S)
-        return backlog - done, done
+    def run_minute(self, online: int, offline: int, rate: float) -> Minute:
+        served = online * self.cap * TICK_S
+        self.queue = max(0.0, self.queue + rate * TICK_S - served)
+        load = rate / (online * self.cap) if online else math.inf
+        if online:
+            wait_s = self.queue / (online * self.cap)
+            ttft = float(np.interp(min(load, LOADS[-1]), LOADS, self.ttft_curve, left=self.ttft_curve[0])) + wait_s * 1000
+        else:
+            ttft = math.inf
+        self.backlog += self.arrivals_per_min
+        done = min(self.backlog, offline * self.off_tps * TICK_S)
+        self.backlog -= done
+        row = Minute(float(rate), online, offline, ttft, load, self.queue, self.backlog, done)
+        self.minutes.append(row)
+        return row
 
-    # -- static: both pools up all day ---------------------------------------------------------
-    queue = backlog = 0.0
-    static_ok = static_tokens = 0.0
-    for m, rate in enumerate(rates):
-        ttft, queue, _ = minute(static_online, rate, queue)
-        backlog, done = drain(backlog, static_offline)
-        if m >= minutes:
-            static_ok += ttft <= ttft_slo_ms
-            static_tokens += done
+    def books(self, minutes: int, tp: int, ttft_slo_ms: float) -> dict:
+        """The last ``minutes`` (the counted day): GPU-hours, online minutes in SLO, and the offline
+        books: tokens arrived, done, the backlog at the day's start and end, the longest wait of a
+        token done that day (first in, first out)."""
+        rows = self.minutes[-minutes:]
+        start = self.minutes[-minutes - 1].backlog if len(self.minutes) > minutes else 0.0
+        done = np.cumsum([r.done for r in self.minutes])
+        arrived = self.arrivals_per_min * np.arange(1, len(self.minutes) + 1)
+        waits = [0.0]
+        if self.arrivals_per_min:  # a token done by minute t arrived by the minute cumulative arrivals reached it
+            t = np.arange(len(self.minutes) - minutes, len(self.minutes))
+            arrived_by = np.interp(done[t], np.concatenate([[0.0], arrived]), np.arange(len(self.minutes) + 1))
+            waits = (t + 1 - arrived_by).tolist()
+        arrived_day = self.arrivals_per_min * minutes
+        return {
+            "gpu_hours": round(sum(r.online + r.offline for r in rows) / 60 * tp, 1),
+            "online_minutes_within_slo_frac": round(sum(r.ttft_ms <= ttft_slo_ms for r in rows) / minutes, 4),
+            "offline_tokens": round(sum(r.done for r in rows)),
+            "offline_arrived_tokens": round(self.arrivals_per_min * minutes),
+            "offline_backlog_start_tokens": round(start),
+            "offline_backlog_end_tokens": round(rows[-1].backlog),
+            "offline_max_wait_h": round(max(waits) / 60, 2),
+            # a fleet whose backlog grew over the day did not do the day's work
+            "kept_up": bool(rows[-1].backlog <= start + KEPT_UP_SLACK * arrived_day),
+        }
 
-    # -- elastic: the real policy every minute --------------------------------------------------
-    budget = static_online + static_offline
-    batch_at_capacity = float(np.interp(1.0, LOADS, batch_curve))
-    kwargs = {"replica_budget": budget, "calm_s": 300, "decision_log": None, "target_ongoing_requests": batch_at_capacity,
-              "offline_backlog_tokens_per_replica": int(off_tps * 600), **(policy_kwargs or {})}
-    policy = ElasticPolicy(**kwargs)
-    policy.log = DecisionLog(None, quiet=True)  # NOTE: a simulated day writes nothing to the data dir
-    wrapped = _apply_app_level_autoscaling_config(policy)
-    on_id, off_id = DeploymentID(name="online", app_name="sim"), DeploymentID(name="offline", app_name="sim")
-    on_cfg = AutoscalingConfig(min_replicas=1, max_replicas=budget, upscale_delay_s=0, downscale_delay_s=600)
-    off_cfg = AutoscalingConfig(min_replicas=0, max_replicas=budget, upscale_delay_s=0, downscale_delay_s=60,
-                                downscale_to_zero_delay_s=60)
-    online, offline = static_online, 0
-    on_target, off_target = online, offline
-    state: dict = {}
-    queue = backlog = 0.0
-    ok = tokens = replica_minutes = 0.0
-    series = []
-    for m, rate in enumerate(rates):
-        ttft, queue, rho = minute(online, rate, queue)
-        backlog, done = drain(backlog, offline)
-        if m >= minutes:
-            ok += ttft <= ttft_slo_ms
-            tokens += done
-            replica_minutes += online + offline
-            series.append((m - minutes, round(float(rate), 3), online, offline, round(min(ttft, 1e7), 1)))
-        load = min(rho, LOADS[-1])
-        kv = float(np.interp(load, LOADS, kv_curve))
-        running = float(np.interp(load, LOADS, batch_curve)) * max(rho / LOADS[-1], 1.0)
-        on_metrics = _per_replica(online, recent_ttft_ms_p90=min(ttft, 1e7), ttft_slo_ms=ttft_slo_ms,
-                                  recent_tpot_ms_p90=0.0, tpot_slo_ms=tpot_slo_ms, kv_capacity_tokens=1.0,
-                                  kv_used_tokens=kv, num_running=running, num_waiting=0.0)
-        off_metrics = _per_replica(offline, kv_capacity_tokens=1.0, kv_used_tokens=0.0,
-                                   waiting_predicted_tokens=backlog / offline if offline else 0.0)
-        now = (m + 1) * TICK_S
+
+class ElasticFleet:
+    """Decides both pools every minute with the real ``ElasticPolicy``, through Serve's app-level
+    delay and bounds wrapper, fed the signals each pool would report."""
+
+    def __init__(self, model: dict, budget: int, online: int, policy_kwargs: dict) -> None:
+        from ray.serve._private.common import DeploymentID
+        from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
+        from ray.serve.config import AutoscalingConfig
+
+        from autoscale.decisions import DecisionLog
+        from autoscale.policy import ElasticPolicy
+
+        self.model, self.budget = model, budget
+        policy = ElasticPolicy(**policy_kwargs)
+        policy.log = DecisionLog(None, quiet=True)  # NOTE: a simulated day writes nothing to the data dir
+        self.wrapped = _apply_app_level_autoscaling_config(policy)
+        self.ids = {name: DeploymentID(name=name, app_name="sim") for name in ("online", "offline", "ingress")}
+        self.cfg = {
+            "online": AutoscalingConfig(min_replicas=1, max_replicas=budget, upscale_delay_s=0, downscale_delay_s=600),
+            "offline": AutoscalingConfig(min_replicas=0, max_replicas=budget, upscale_delay_s=0, downscale_delay_s=60,
+                                         downscale_to_zero_delay_s=60),
+            "ingress": AutoscalingConfig(min_replicas=1, max_replicas=1),
+        }
+        self.targets = {"online": online, "offline": 0, "ingress": 1}
+        self.state: dict = {}
+
+    def decide(self, row: Minute, now: float, ttft_slo_ms: float, tpot_slo_ms: float) -> tuple[int, int]:
+        """The replicas of each pool for the next minute (a new replica serves from then: startup)."""
+        m = self.model
+        load = min(row.load, LOADS[-1])
+        kv = float(np.interp(load, LOADS, m["kv_util"]))
+        running = float(np.interp(load, LOADS, m["running_batch"])) * max(row.load / LOADS[-1], 1.0)
+        ttft = min(row.ttft_ms, 1e7)
+        metrics = {
+            "online": _per_replica(row.online, recent_ttft_ms_p90=ttft, ttft_slo_ms=ttft_slo_ms, recent_tpot_ms_p90=0.0,
+                                   tpot_slo_ms=tpot_slo_ms, kv_capacity_tokens=1.0, kv_used_tokens=kv,
+                                   num_running=running, num_waiting=0.0),
+            "offline": _per_replica(row.offline, kv_capacity_tokens=1.0, kv_used_tokens=0.0,
+                                    waiting_predicted_tokens=row.backlog / row.offline if row.offline else 0.0),
+            # NOTE: with the offline pool at zero its work waits at the ingress's gate (deployments/pool_gate.py),
+            # which reports it: the backlog stays visible to the policy
+            "ingress": _per_replica(1, **({"held_requests": math.ceil(row.backlog / m["mean_output_tokens"]),
+                                           "held_tokens": row.backlog} if not row.offline and row.backlog else {})),
+        }
+        replicas = {"online": row.online, "offline": row.offline, "ingress": 1}
+        queued = {"online": row.queue / max(row.online, 1), "offline": 0.0, "ingress": 0.0}
+        lows = {"online": 1, "offline": 0, "ingress": 1}
         contexts = {
-            on_id: _context(on_id, "online", online, on_target, 1, budget, now, state.get(on_id, {}), on_cfg, on_metrics,
-                            queue / max(online, 1)),
-            # NOTE: the offline backlog waits outside Serve's handles (in a batch job's driver, or held at
-            # the ingress: deployments/pool_gate.py), where Serve's cold-start rule would restart a yielded pool
-            off_id: _context(off_id, "offline", offline, off_target, 0, budget, now, state.get(off_id, {}), off_cfg,
-                             off_metrics, 0.0),
+            dep: _context(dep, name, replicas[name], self.targets[name], lows[name], self.budget if name != "ingress" else 1,
+                          now, self.state.get(dep, {}), self.cfg[name], metrics[name], queued[name])
+            for name, dep in self.ids.items()
         }
         # NOTE: Serve's delay logic reads the wall clock; the simulated day runs on its own
         with mock.patch("ray.serve.autoscaling_policy.time.time", return_value=now):
-            decisions, state = wrapped(contexts)
-        on_target, off_target = decisions[on_id], decisions[off_id]
-        online, offline = on_target, off_target  # NOTE: up from the next minute (replica startup)
+            decisions, self.state = self.wrapped(contexts)
+        self.targets = {name: decisions[dep] for name, dep in self.ids.items()}
+        return self.targets["online"], self.targets["offline"]
 
-    hours = minutes / 60
+
+def simulate_day(model: dict, peak_rps: float, offline_tokens_per_day: float, ttft_slo_ms: float,
+                 tpot_slo_ms: float, trough_frac: float = 0.2, policy_kwargs: dict | None = None, days: int = 3) -> dict:
+    """Both fleets over ``days`` identical days, the last one counted (the ones before bring the
+    offline backlog to its daily cycle); ``model`` from ``replica_model``. Returns each fleet's books
+    of the counted day and the elastic fleet's minutes."""
+    day = diurnal_rates(peak_rps, trough_frac)
+    minutes, tp = len(day), model["tensor_parallel_size"]
+    rates = np.tile(day, days)
+    static_online = math.ceil(day.max() / model["capacity_rps"])
+    static_offline = math.ceil(offline_tokens_per_day / (model["offline_tokens_per_s"] * 86400)) if offline_tokens_per_day else 0
+
+    static = Fleet(model, offline_tokens_per_day)
+    for rate in rates:
+        static.run_minute(static_online, static_offline, rate)
+
+    budget = static_online + static_offline
+    batch_at_capacity = float(np.interp(1.0, LOADS, model["running_batch"]))
+    kwargs = {"replica_budget": budget, "calm_s": 300, "decision_log": None, "target_ongoing_requests": batch_at_capacity,
+              "offline_backlog_tokens_per_replica": int(model["offline_tokens_per_s"] * 600), **(policy_kwargs or {})}
+    controller = ElasticFleet(model, budget, static_online, kwargs)
+    elastic = Fleet(model, offline_tokens_per_day)
+    online, offline = static_online, 0
+    for m, rate in enumerate(rates):
+        row = elastic.run_minute(online, offline, rate)
+        online, offline = controller.decide(row, (m + 1) * TICK_S, ttft_slo_ms, tpot_slo_ms)
+
+    series = [(i, round(r.rate, 3), r.online, r.offline, round(min(r.ttft_ms, 1e7), 1), round(r.backlog))
+              for i, r in enumerate(elastic.minutes[-minutes:])]
+    e, s = elastic.books(minutes, tp, ttft_slo_ms), static.books(minutes, tp, ttft_slo_ms)
     return {
-        "elastic": {"gpu_hours": round(replica_minutes / 60 * tp, 1), "online_minutes_within_slo_frac": round(float(ok) / minutes, 4),
-                    "offline_tokens": round(float(tokens)), "replica_budget": budget},
-        "static_peak": {"gpu_hours": round((static_online + static_offline) * hours * tp, 1),
-                        "online_minutes_within_slo_frac": round(float(static_ok) / minutes, 4), "offline_tokens": round(float(static_tokens)),
-                        "online_replicas": static_online, "offline_replicas": static_offline},
+        "elastic": {**e, "replica_budget": budget},
+        "static_peak": {**s, "online_replicas": static_online, "offline_replicas": static_offline},
+        "days": days,
+        "same_work": e["kept_up"] and s["kept_up"],
+        "gpu_hours_saved_frac": round(1 - e["gpu_hours"] / s["gpu_hours"], 4) if s["gpu_hours"] else 0.0,
         "series": series,
     }
