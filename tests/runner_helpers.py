@@ -44,6 +44,20 @@ def one_thread_runner(dtype: str) -> Iterator:
         torch.set_num_threads(threads)
 
 
+NEAR_TIE = 0.5  # logits: two tokens this close may change places when every activation is rounded to bfloat16
+
+
+def turns_only_at_near_ties(model, prompt: list[int], got: list[int], ref: list[int]) -> bool:
+    """Whether ``got`` equals ``ref`` up to the first token where they part, and there the token
+    ``got`` took scores within ``NEAR_TIE`` of ``ref``'s under ``model`` (float32), given the same prefix."""
+    k = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    if k is None:
+        return len(got) == len(ref)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref[:k]])).logits[0, -1]
+    return abs(float(logits[ref[k]] - logits[got[k]])) < NEAR_TIE
+
+
 def generate_greedy(model, prompts: list[list[int]], eos: int) -> list[list[int]]:
     """transformers' greedy ``generate`` of ``NEW_TOKENS`` after each prompt: the reference answers."""
     refs = []

@@ -32,15 +32,18 @@ def test_smoke_load_test_summary_is_present_and_sane(tmp_path):
     tiers = summary["tiers"]
     assert set(tiers) == {"online", "flex"} and summary["rate"] == 0.5 and summary["duration_s"] >= 15
     assert tiers["online"]["requests"] + tiers["flex"]["requests"] == len(records) >= 3
-    # the online engine may shed a request whose first token it expects past max_queue_delay_ms (Locust, Ray, both
-    # pools and the predictor share the cores: a slow machine slows its steps): a clean 429 with Retry-After, in
-    # OpenAI's shape, and the summary counts it; nothing else may fail
+    # the online pool refuses only by the shedding rule (docs/serving.md): a clean 429 with Retry-After
+    # for a request that others ahead would push past max_queue_delay_ms; how many depends on the
+    # machine's pace (a slow CPU's steps leave 0.5 req/s of 32-token answers little room). Nothing
+    # else may fail, and the first request, with nothing ahead of it, is answered
     refused = [r for r in records if r["error"]]
-    assert all(r["error"].startswith('HTTP 429: {"error":') and r.get("retry_after") for r in refused), refused
-    assert sum(t["failures"] for t in tiers.values()) == len(refused) <= len(records) // 3, refused
+    assert all(r["tier"] == "online" and r["error"].startswith('HTTP 429: {"error":') and r.get("retry_after")
+               and "others ahead" in r["error"] for r in refused), refused
+    assert sum(t["failures"] for t in tiers.values()) == len(refused), refused
+    first = min((r for r in records if r["tier"] == "online"), key=lambda r: r["start"])
+    assert not first["error"], first
     for name, t in tiers.items():
-        if t["requests"] == t["failures"]:
-            continue
+        assert t["requests"] >= 1, (name, t)
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             q = t[key]
             assert 0 < q["p50"] <= q["p90"] <= q["p99"] and q["mean"] > 0, (name, key, q)

@@ -5,7 +5,6 @@ registers a version and another one, elsewhere, loads it."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -102,11 +101,10 @@ def test_a_stopped_registry_server_is_noticed_within_a_poll_and_the_champion_kee
         server = LengthPredictorServer({"poll_s": 3600}, store=store, on_registry=seen.append)  # polled by hand
     try:
         assert server.version == "1"
-        t0 = time.monotonic()
         assert not server.refresh()  # the server is gone
-        took = time.monotonic() - t0
+        # the store's /health probe said so (Store.check_answers), not MLflow's client after minutes of retries
         assert server.registry_error is not None and "ConnectionError" in server.registry_error, server.registry_error
-        assert took < 15, f"a poll took {took:.0f} s to notice the registry was gone"
+        assert "does not answer" in server.registry_error, server.registry_error
         assert [p["version"] for p in server.predict_batch(["hi", "write an essay"])] == ["1", "1"]
         with TrackingServer(db, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-2.log"):
             assert not server.refresh() and server.registry_error is None  # back, the same champion

