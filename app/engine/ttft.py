@@ -4,7 +4,8 @@ request reports beside its measured time to first token.
 
 Each step carries the running answers' decodes first (one token each), then prompt chunks in what
 its token budget leaves (``Scheduler.step_token_budget``: the whole ``max_num_batched_tokens``
-while nothing decodes, the online scheduler's TPOT cap while answers do), in the order admission
+while nothing decodes, while answers do the online scheduler's TPOT cap or what their TPOT slack
+allows, the slack spent as the steps played forward take it), in the order admission
 takes them: the prompts in the running batch, the waiting requests ahead of the new one, then its
 own. A prompt through becomes a decode until its predicted end; a running answer ends at its own.
 A queued prompt starts no earlier than room for it frees (``queue_start_steps``: its KV
@@ -110,13 +111,13 @@ def estimate_ttft(new: Request, scheduler: Scheduler, reserve: Callable[[Request
     # (request, prompt tokens left, the step from which room for it is free)
     prompts = deque((r, r.uncomputed_tokens, 0) for r in sorted(running, key=scheduler.running_key) if not r.decoding)
     prompts.extend((r, r.uncomputed_tokens, start) for r, start in zip([*ahead, new], starts))
-    idle_budget, decode_budget = scheduler.config.max_num_batched_tokens, scheduler.decode_step_budget()
+    idle_budget, slack = scheduler.config.max_num_batched_tokens, scheduler.tpot_slack_s()
     total = 0.0
     for step in range(MAX_STEPS):
         while ends and ends[0] <= step:
             heapq.heappop(ends)
         decodes = len(ends)
-        room = max(1, (decode_budget if decodes else idle_budget) - decodes)
+        room = max(1, (scheduler.budget_within_slack(decodes, slack) if decodes else idle_budget) - decodes)
         taken, through = 0, []
         while prompts and taken < room and prompts[0][2] <= step:
             req, left, start = prompts[0]
@@ -129,11 +130,16 @@ def estimate_ttft(new: Request, scheduler: Scheduler, reserve: Callable[[Request
                 prompts[0] = (req, left - n, start)
         if not decodes and not taken:
             continue  # NOTE: nothing runs before its room frees (a pool the steps ahead do not free)
-        total += scheduler.step_time_s(decodes + taken)
+        step_s = scheduler.step_time_s(decodes + taken)
+        total += step_s
         if through and through[-1] is new:
             return FirstTokenEstimate(total, own)
-        for req in through:
+        if decodes:
+            slack = scheduler.slack_after_step(slack, decodes, step_s)
+        for req in through:  # a new answer: its slack joins the least
             heapq.heappush(ends, step + steps_left(req))
+            fresh = scheduler.answer_slack_s(1, 0.0, steps_left(req), len(ends))
+            slack = fresh if slack is None else (slack if fresh is None else min(slack, fresh))
         if total > own + max_delay_s:
             break
     return FirstTokenEstimate(total, own, complete=False)

@@ -77,6 +77,24 @@ class Scheduler:
         """Tokens a step may carry while answers decode in it (the online scheduler's TPOT cap)."""
         return self.config.max_num_batched_tokens
 
+    def tpot_slack_s(self) -> float | None:
+        """The least TPOT slack of the answers decoding (the online scheduler's); None: none spent."""
+        return None
+
+    def budget_within_slack(self, decodes: int, slack_s: float | None) -> int:
+        """Tokens a step with ``decodes`` answers in it may carry while they have ``slack_s`` of TPOT
+        slack (the online scheduler's; here the decode budget, whatever the slack)."""
+        return self.decode_step_budget()
+
+    def answer_slack_s(self, tokens_out: int, decoding_s: float, remaining: int, decodes: int) -> float | None:
+        """An answer's TPOT slack (``tpot_slack.answer_slack_s``) in a batch of ``decodes``; None where the
+        scheduler spends none."""
+        return None
+
+    def slack_after_step(self, slack_s: float | None, decodes: int, step_s: float) -> float | None:
+        """``slack_s`` after a step of ``step_s`` with ``decodes`` answers in it."""
+        return slack_s
+
     def max_running(self) -> int:
         return self.config.max_num_seqs
 

@@ -23,6 +23,9 @@ a TPOT-capped step and TTFT-aware anti-starvation.
   ``b``. So ``tpot_slowdown`` (default 3.5) also caps a step at that many one-token steps, the TPOT a
   lone answer gets: steps of ``k * a`` run at ``1 - 1/k`` of the most tokens/s ``b`` allows on any
   machine. ``tpot_target_ms`` sets the step time instead.
+- Slack: while a prompt waits or is in prefill, a step may take longer than the cap by half the
+  least TPOT slack of the answers decoding in it (``tpot_slack``): the time each can lose and still
+  end within the objective on average, which is what the objective measures.
 - TTFT: a waiting request that has used half its TTFT objective may no longer be overtaken by
   smaller requests that happen to fit.
 """
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from app.engine.request import Request
 from app.engine.scheduler.base import Scheduler
 from app.engine.scheduler.step_time import STEP_BINS, StepTimeModel  # noqa: F401 - re-exported (the simulator's bins)
+from app.engine.scheduler.tpot_slack import SLACK_SHARE, answer_slack_s
 
 MIN_STEP_TOKENS = 16  # never starve prefill entirely, whatever the step-time model says
 # NOTE: aiming below the objective (85% of it was tried) held TPOT but cut throughput under
@@ -86,9 +90,44 @@ class OnlineScheduler(Scheduler):
         # NOTE: the cap keeps the decoding answers' TPOT; with none decoding there is no TPOT to keep,
         # and a prompt takes the whole step: in chunks of the cap's few dozen tokens a lone long prompt
         # paid the fixed cost of many small steps before its first token
-        if not any(r.decoding for r in self.running):
+        decodes = sum(r.decoding for r in self.running)
+        if not decodes:
             return self.config.max_num_batched_tokens
-        return self.decode_step_budget()
+        if not self.waiting and decodes == len(self.running):
+            return self.decode_step_budget()  # no prompt to spend slack on
+        return self.budget_within_slack(decodes, self.tpot_slack_s())
+
+    def tpot_slack_s(self) -> float | None:
+        """The least TPOT slack of the answers decoding (None: none decodes, or no pace yet)."""
+        now = self.clock()
+        decoding = [r for r in self.running if r.decoding and r.first_token_s is not None]
+        slacks = [self.answer_slack_s(r.num_output_tokens, now - r.first_token_s, r.predicted_remaining_tokens,
+                                      len(decoding)) for r in decoding]
+        return None if not slacks or None in slacks else min(slacks)
+
+    def answer_slack_s(self, tokens_out: int, decoding_s: float, remaining: int, decodes: int) -> float | None:
+        step_s = self._capped_step_s(decodes)
+        if step_s is None:
+            return None
+        return answer_slack_s(self.config.tpot_slo_ms / 1000.0, tokens_out, decoding_s, remaining, step_s)
+
+    def budget_within_slack(self, decodes: int, slack_s: float | None) -> int:
+        cap = self.decode_step_budget()
+        step_s = self._capped_step_s(decodes)
+        if slack_s is None or slack_s <= 0 or step_s is None:
+            return cap
+        within = self.step_model.max_tokens_within(step_s + SLACK_SHARE * slack_s)
+        return cap if within is None else max(cap, min(within, self.config.max_num_batched_tokens))
+
+    def slack_after_step(self, slack_s: float | None, decodes: int, step_s: float) -> float | None:
+        capped = self._capped_step_s(decodes)
+        return None if slack_s is None or capped is None else slack_s + capped - step_s
+
+    def _capped_step_s(self, decodes: int) -> float | None:
+        """The longest a step within the TPOT cap takes, at most the objective: what the slack counts
+        every step after the next one at."""
+        step_s = self.step_time_s(max(decodes, self.decode_step_budget()))
+        return None if step_s is None else min(step_s, self.config.tpot_slo_ms / 1000.0)
 
     def decode_step_budget(self) -> int:
         cap = self._tpot_cap()
