@@ -99,11 +99,13 @@ class OnlineScheduler(Scheduler):
 
     def tpot_slack_s(self) -> float | None:
         """The least TPOT slack of the answers decoding (None: none decodes, or no pace yet)."""
-        now = self.clock()
         decoding = [r for r in self.running if r.decoding and r.first_token_s is not None]
-        slacks = [self.answer_slack_s(r.num_output_tokens, now - r.first_token_s, r.predicted_remaining_tokens,
-                                      len(decoding)) for r in decoding]
-        return None if not slacks or None in slacks else min(slacks)
+        step_s = self._capped_step_s(len(decoding)) if decoding else None
+        if step_s is None:
+            return None
+        now, slo_s = self.clock(), self.config.tpot_slo_ms / 1000.0
+        return min(answer_slack_s(slo_s, r.num_output_tokens, now - r.first_token_s, r.predicted_remaining_tokens, step_s)
+                   for r in decoding)
 
     def answer_slack_s(self, tokens_out: int, decoding_s: float, remaining: int, decodes: int) -> float | None:
         step_s = self._capped_step_s(decodes)
@@ -113,7 +115,7 @@ class OnlineScheduler(Scheduler):
 
     def budget_within_slack(self, decodes: int, slack_s: float | None) -> int:
         cap = self.decode_step_budget()
-        step_s = self._capped_step_s(decodes)
+        step_s = self._capped_step_s(decodes, cap)
         if slack_s is None or slack_s <= 0 or step_s is None:
             return cap
         within = self.step_model.max_tokens_within(step_s + SLACK_SHARE * slack_s)
@@ -123,10 +125,10 @@ class OnlineScheduler(Scheduler):
         capped = self._capped_step_s(decodes)
         return None if slack_s is None or capped is None else slack_s + capped - step_s
 
-    def _capped_step_s(self, decodes: int) -> float | None:
-        """The longest a step within the TPOT cap takes, at most the objective: what the slack counts
-        every step after the next one at."""
-        step_s = self.step_time_s(max(decodes, self.decode_step_budget()))
+    def _capped_step_s(self, decodes: int, cap: int | None = None) -> float | None:
+        """The longest a step within the TPOT cap (``cap``: ``decode_step_budget()``) takes, at most the
+        objective: what the slack counts every step after the next one at."""
+        step_s = self.step_time_s(max(decodes, self.decode_step_budget() if cap is None else cap))
         return None if step_s is None else min(step_s, self.config.tpot_slo_ms / 1000.0)
 
     def decode_step_budget(self) -> int:

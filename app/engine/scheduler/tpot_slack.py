@@ -1,5 +1,5 @@
-"""How much longer than a decode-only step the next step may take while every answer decoding in it
-still ends within the TPOT objective.
+"""How much longer than a step within the TPOT cap the next step may take while every answer decoding
+in it still ends within the TPOT objective.
 
 The objective that clients and benchmarks measure (vLLM's ``bench serve``, guidellm, foreserve's
 load test) is an answer's mean time per output token, (last token - first token) / (tokens - 1),
