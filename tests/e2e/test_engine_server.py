@@ -82,7 +82,7 @@ def test_engine_server_streams_writes_feedback_and_reports_stats(tmp_path: Path)
 
 
 def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_its_wait_passes_the_limit(tmp_path: Path):
-    """Predicted to end after one token, the answers run 100: the admission tests let every request
+    """Predicted to end after one token, the answers run 200: the admission tests let every request
     of a burst in, one runs at a time (``max_num_seqs`` 1), and each of the others, unstarted when
     its wait passes ``max_queue_delay_ms``, ends with a 429 item (the ingress's 429 with
     Retry-After); none is answered late, none fails otherwise."""
@@ -91,7 +91,9 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
     from deployments.engine_server import EngineServerDeployment
 
     with _serving_from(tmp_path / "home"):
-        overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 500}
+        # The limit sits well above five predicted prompts (a few hundred ms each, even on a slow CPU)
+        # and well below one real 200-token answer (a token takes 10 ms or more on one thread).
+        overrides = {"kv_cache_tokens": 2048, "torch_threads": 1, "max_num_seqs": 1, "max_queue_delay_ms": 2500}
         app = EngineServerDeployment.options(name="online").bind("online", overrides)
         serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on port 8000
         handle = serve.run(app, name="late-test", route_prefix=None).options(stream=True)
@@ -104,12 +106,12 @@ def test_a_request_admitted_on_a_late_estimate_is_refused_with_a_429_item_once_i
             return [item async for item in handle.generate.remote(req)]
 
         async def burst() -> list[list[dict]]:
-            return await asyncio.gather(*(collect(request(f"b{i}", 100)) for i in range(5)))
+            return await asyncio.gather(*(collect(request(f"b{i}", 200)) for i in range(5)))
 
         assert asyncio.run(collect(request("warm", 20)))[-1]["completion_tokens"] == 20  # the replica has stepped
         answers = asyncio.run(burst())
     refused = [a for a in answers if "error" in a[-1]]
-    assert all(a[-1]["completion_tokens"] == 100 and a[-1]["finished"] for a in answers if a not in refused)
+    assert all(a[-1]["completion_tokens"] == 200 and a[-1]["finished"] for a in answers if a not in refused)
     assert 1 <= len(answers) - len(refused) < 5 and refused, [a[-1] for a in answers]
     for (item,) in refused:  # one item, no token before it
         assert item["error"]["status_code"] == 429, item
