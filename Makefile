@@ -61,10 +61,9 @@ run: serve
 # each pytest process keeps about one core busy), then e2e and multinode alone, as their Ray clusters
 # need the machine. The lanes hold equal work: the unit tier, then the model tier's two trace modules
 # (MODEL_BESIDE_UNIT); the rest of the model tier. --output-sync prints each lane whole when it ends.
-# The soak tests (marker `soak`: chaos under load, an online burst, a node's and the GCS's death)
-# take a quarter hour more on 2 cores: `make test-soak`, and `make test-all` runs everything.
+# The 30-minute soak (marker `soak`, tests/e2e/test_soak.py) is the one test outside it: `make
+# test-soak`, and `make test-all` runs everything.
 TIER_PREPARE := $(if $(PREPARED),install,prepare-tests)
-SOAK ?= not soak
 MODEL_BESIDE_UNIT := tests/model/test_planner_traces.py tests/model/test_bench_traces.py
 test: prepare-tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-unit test-lane-model PREPARED=1
@@ -78,7 +77,7 @@ test-lane-model: $(TIER_PREPARE)
 	$(PY) -m pytest -q tests/model $(MODEL_BESIDE_UNIT:%=--ignore=%)
 
 test-soak: prepare-tests
-	$(MAKE) --no-print-directory test-e2e test-multinode PREPARED=1 SOAK=soak
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -s -m soak tests/e2e/test_soak.py
 
 test-all: test
 	$(MAKE) --no-print-directory test-soak PREPARED=1
@@ -102,13 +101,9 @@ test-model: $(TIER_PREPARE)
 
 # PYTHONFAULTHANDLER: a crash while the interpreter exits (after pytest's own handler is gone), as
 # Ray's threads have caused once after the summary, prints every thread's stack.
-# Exit 5 (no tests collected) passes only where it is known to be right: the soak run of a tier whose
-# quick tests hold no soak test; a marker mistake that deselects a whole tier of `make test` fails it.
-SOAK_RUN := $(filter-out not,$(firstword $(SOAK)))
-NONE_COLLECTED_OK := $(if $(SOAK_RUN),|| [ $$? -eq 5 ])
 test-e2e: $(TIER_PREPARE)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and $(SOAK)" $(NONE_COLLECTED_OK)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow and $(SOAK)"
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests/e2e -m "not slow and not soak"
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=15 tests/e2e -m "slow and not soak"
 
 # One pytest process per module: each module starts and shuts down a cluster of its own, and a
 # driver process that has shut Ray down and connected again can still be ended by Ray (exit 1,
@@ -116,13 +111,10 @@ test-e2e: $(TIER_PREPARE)
 # test_preflight_nodes.py's teardown, from a thread born while test_batch_nodes.py's job (driven
 # from the pytest process) ran. -v names each test as it starts, a failure is printed at once
 # (tests/conftest.py), and a failed module is followed by the error lines of its Ray drivers' logs.
-# A module may collect nothing only if its marks say so: all soak (`pytestmark` has it) in `make test`,
-# none soak in the soak run.
 test-multinode: $(TIER_PREPARE)
 	@failed=; for module in tests/multinode/test_*.py; do \
 		stamp=$$(mktemp); echo "pytest -v $$module"; \
-		if grep -q '^pytestmark = .*pytest.mark.soak' $$module; then soak_only=1; else soak_only=; fi; \
-		$(PY) -m pytest -v --durations=5 -m "$(SOAK)" $$module || { [ $$? -eq 5 ] && [ "$$soak_only" = "$(if $(SOAK_RUN),,1)" ]; } \
+		$(PY) -m pytest -v --durations=5 $$module \
 			|| { failed="$$failed $$module"; \
 			echo "errors in the logs of the Ray drivers it started:"; \
 			find $${RAY_TMPDIR:-/tmp}/ray -name 'python-core-driver-*.log' -newer "$$stamp" -exec grep -hE '^\[[^]]+ [EF] [0-9]+ [0-9]+\]' {} + \

@@ -15,7 +15,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     summary = run_chaos(Path(args.report), args.scenarios.split(","), args.host, Path(args.config) if args.config else None,
                         args.rate, args.duration, args.inject_at, args.storm_streams, args.overload_rate,
-                        args.fuzz_examples, args.soak_minutes, flex_share=args.flex_share)
+                        args.fuzz_examples, args.soak_minutes, flex_share=args.flex_share,
+                        overload_shapes=tuple(args.overload_shape or ()))
     print(f"{'scenario':>17} {'sent':>5} {'answered':>8} {'clean err':>9} {'hung':>4} {'broken':>6} {'recovery s':>10} {'health ok s':>11}")
     for r in summary["scenarios"]:
         print(f"{r['scenario']:>17} {r['sent']:>5} {r['answered']:>8} {r['clean_error']:>9} {r['hung']:>4} {r['broken']:>6} "
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--inject-at", type=float, default=15, help="load scenarios: the fault this many seconds in (default 15)")
     p.add_argument("--flex-share", type=float, default=0.2,  # loadtests.chaos.load.FLEX_SHARE (imported late)
                    help="load scenarios: the share of requests sent as service_tier flex (default 0.2)")
+    p.add_argument("--overload-shape", action="append", metavar="PROMPT_TOKENS:OUTPUT_TOKENS",
+                   help="overload: fixed-shape requests instead of ShareGPT's (repeat to mix), e.g. 1024:16: "
+                   "long prompts overload a pool at a rate that short chats do not")
     p.add_argument("--overload-rate", type=float, default=6.0,
                    help="overload: requests/s (default 6, about 3x what the default service answers on 2 cores)")
     p.add_argument("--fuzz-examples", type=int, default=20, help="fuzz: generated requests per route (default 20)")

@@ -11,6 +11,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from loadtests.loadtest import get_json
+
 LEAKS = ("Traceback", "site-packages", 'File "', "/work/", "/home/", "/root/", "ray.exceptions")
 
 
@@ -22,6 +24,14 @@ def _clean(response: httpx.Response) -> bool:
         return False
     return 400 <= response.status_code < 500 and set(error) == {"message", "type", "param", "code"} \
         and not any(leak in response.text for leak in LEAKS)
+
+
+def health_status(url: str) -> str | None:
+    """``/health``'s status and the kinds of its problems (``degraded: pool online``): on a service
+    already degraded (no champion yet) a fault still shows as a new problem."""
+    health = get_json(f"{url}/health", 10) or {}
+    kinds = sorted({p.split(": ")[0] for p in health.get("problems") or []})
+    return health.get("status") if not kinds else f"{health.get('status')}: {'; '.join(kinds)}"
 
 
 def hostile_requests(model: str) -> list[tuple[str, dict]]:
@@ -90,7 +100,7 @@ def hostile_input(url: str, key: str, model: str) -> dict:
         clean += status == 413
         if status != 413:
             broken.append(f"100 MB declared body: HTTP {status} after {took} s")
-        health = client.get("/health").json().get("status")
+        health = health_status(url)
     return {"sent": len(rows), "answered": 0, "clean_error": clean, "hung": 0, "broken": len(rows) - clean,
             "server_errors": sum(r["status"] >= 500 for r in rows), "health_after": health,
             "broken_examples": broken[:5], "requests": rows}

@@ -27,6 +27,7 @@ from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, registr
 from loadtests.chaos.load import FLEX_SHARE, start_load
 from loadtests.chaos.score import overload, score
 from loadtests.loadtest import Service, get_json, served_model
+from loadtests.shapes import parse_shape
 from loadtests.summary import read_records
 
 KEYS = ("chaos-key-a", "chaos-key-b")
@@ -39,7 +40,7 @@ FAULTS = {
     "controller_kill": "SIGKILL Serve's controller under load (Ray restarts it)",
     "registry_outage": "the predictor registry's MLflow server stopped under load, started again 45 s later",
     "redeploy": "the app deployed again (a changed runtime_env) under load: Serve replaces every replica",
-    "overload": "arrivals at --overload-rate (3x what the service answers) and no other fault",
+    "overload": "arrivals at --overload-rate (ShareGPT, or --overload-shape) past what the service answers, no other fault",
     "scale_down": "flex streams open when an online burst makes the offline pool give its replica up (a drain)",
     "disconnect_storm": "streams cut by the client 0.5 s after sending, all at once",
     "fuzz": "schemathesis: requests generated from the service's OpenAPI schema, every route",
@@ -80,22 +81,19 @@ def inject(name: str, fault_dir: Path | None, registry_server=None) -> list[int]
         redeploy.redeploy()
         return before
     if name == "forward_error":
+        before = procs.pids("online")  # before the file: the replica that reads it may be gone within a step
         fault_dir.mkdir(parents=True, exist_ok=True)
         (fault_dir / FORWARD_ERROR).touch()
-        return procs.pids("online")
+        return before
     role, sig = SIGNALS[name]
     return procs.signal_role(role, sig)
-
-
-def health_status(url: str) -> str | None:
-    return (get_json(f"{url}/health", 10) or {}).get("status")
 
 
 def wait_health_changed(url: str, status: str | None, timeout_s: float) -> float | None:
     """Seconds until ``/health`` no longer says ``status`` (it noticed the fault); None if not within ``timeout_s``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if health_status(url) != status:
+        if probes.health_status(url) != status:
             return round(time.monotonic() - t0, 1)
         time.sleep(0.5)
     return None
@@ -106,7 +104,7 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
     ``degraded`` on a service with no champion predictor yet); None if not within ``timeout_s``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if health_status(url) == status:
+        if probes.health_status(url) == status:
             return round(time.monotonic() - t0, 1)
         time.sleep(1)
     return None
@@ -114,10 +112,11 @@ def wait_health(url: str, status: str | None, timeout_s: float) -> float | None:
 
 def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duration_s: float, inject_s: float,
                   status: str | None, fault_dir: Path | None = None, flex_share: float = FLEX_SHARE,
-                  registry_server=None) -> dict:
-    """Locust at ``rate`` for ``duration_s`` (``load.start_load``), the fault at ``inject_s``."""
+                  registry_server=None, shapes: tuple[str, ...] = ()) -> dict:
+    """Locust at ``rate`` for ``duration_s`` (``load.start_load``; ``shapes`` instead of ShareGPT), the fault at ``inject_s``."""
     # NOTE: under overload the flex tier (which sheds nothing: flex work waits) finishes late, not never
-    locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120, flex_share=flex_share)
+    locust = start_load(url, out, key, rate, duration_s, drain_s=600 if name == "overload" else 120, flex_share=flex_share,
+                        shapes=shapes)
     time.sleep(inject_s)
     fallbacks = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
     fault_at, t0 = time.time(), time.monotonic()
@@ -147,7 +146,7 @@ def _cont(pid: int) -> None:
 def run_chaos(report: Path, scenarios: list[str], host: str | None = None, config: Path | None = None,
               rate: float = 0.5, duration_s: float = 60, inject_s: float = 15, storm_streams: int = 200,
               overload_rate: float = 6.0, fuzz_examples: int = 20, soak_minutes: float = 30.0,
-              flex_share: float = FLEX_SHARE) -> dict:
+              flex_share: float = FLEX_SHARE, overload_shapes: tuple[str, ...] = ()) -> dict:
     unknown = [s for s in scenarios if s not in FAULTS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {sorted(FAULTS)}")
@@ -161,6 +160,11 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
              if value <= 0]
     wrong += [f"--{name} {value} (must be >= 1)" for name, value in (("storm-streams", storm_streams),
                                                                     ("fuzz-examples", fuzz_examples)) if value < 1]
+    for shape in overload_shapes:
+        try:
+            parse_shape(shape)
+        except ValueError as e:
+            wrong.append(f"--overload-shape {e}")
     if not 0 <= flex_share <= 1:
         wrong.append(f"--flex-share {flex_share:g} (must be within 0 and 1)")
     if not 0 <= inject_s < duration_s:
@@ -184,10 +188,11 @@ def run_chaos(report: Path, scenarios: list[str], host: str | None = None, confi
         model = served_model(url)
         for name in scenarios:
             print(f"chaos: {name}: {FAULTS[name]}", flush=True)
-            before, status, t0 = procs.memory(), health_status(url), time.monotonic()
+            before, status, t0 = procs.memory(), probes.health_status(url), time.monotonic()
             if name in LOAD:
                 row = load_scenario(name, url, report / name, key, overload_rate if name == "overload" else rate,
-                                    duration_s, inject_s, status, fault_dir, flex_share, registry_server)
+                                    duration_s, inject_s, status, fault_dir, flex_share, registry_server,
+                                    overload_shapes if name == "overload" else ())
             elif name == "drain":
                 row = drain.drain(service, url, key, model)
             elif name == "disconnect_storm":

@@ -1,5 +1,5 @@
 """The ``scale_down`` scenario: the offline pool scaled down under load. Flex load streams on the
-offline pool; at the fault a burst of online chats puts online under SLO pressure and the elastic
+offline pool; at the fault online chats, kept open until the pool yields, put online under SLO pressure and the elastic
 policy takes the offline replica away (``yield``) while flex streams are open. Serve drains the
 replica for its ``graceful_shutdown_timeout_s``; what it has not finished by then the ingress resumes
 once the pool is back (online calm, or the offline share after ``offline_max_yield_s``). What must
@@ -18,9 +18,15 @@ from loadtests.chaos.load import start_load
 from loadtests.chaos.score import score
 from loadtests.summary import read_records
 
-BURST = 16  # concurrent online chats: past the online pool's TTFT SLO on 2 cores
+BURST = 24  # online chats kept open at once until the pool yields
 BURST_TOKENS = 128
-PROMPT = "Write a long story about a lighthouse keeper and a storm."
+BURST_MAX_S = 150.0  # past this without a yield the row says so (offline_yielded_s null)
+# NOTE: long prompts, not short chats: a fast CPU answers two dozen short chats within the TTFT objective
+# and never pressures the pool. Prompts of ~1,000 tokens are past what any CPU pool computes as fast as
+# they come, so the shedder admits them up to its queue-delay limit and the admitted ones' TTFT p90
+# passes the policy's scale_up_slo_ratio of the objective, on a fast machine as on a slow one.
+PROMPT = "Summarize the keeper's log below in one paragraph.\n" + "\n".join(
+    f"Night {i}: the storm rose again, the lamp held, and the keeper wrote down the ships he saw." for i in range(40))
 
 
 def _round(seconds: float | None) -> float | None:
@@ -33,11 +39,21 @@ def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_
     time.sleep(inject_s)
     hit, fault_at, t0 = procs.pids("offline"), time.time(), time.monotonic()
     results: list = []
-    senders = [threading.Thread(target=send_chat, args=(url, model, PROMPT, "default", BURST_TOKENS, results, key), daemon=True)
-               for _ in range(BURST)]
+    stop = threading.Event()
+
+    def keep_one_open() -> None:  # one chat after another, a pause after a 429 (its Retry-After)
+        while not stop.is_set():
+            mine: list = []
+            send_chat(url, model, PROMPT, "default", BURST_TOKENS, mine, key)
+            results.extend(mine)
+            if mine[0]["status"] == 429:
+                stop.wait(2.0)
+
+    senders = [threading.Thread(target=keep_one_open, daemon=True) for _ in range(BURST)]
     for sender in senders:
         sender.start()
-    yielded_s = wait_until(lambda: not procs.pids("offline"), 180)
+    yielded_s = wait_until(lambda: not procs.pids("offline"), BURST_MAX_S)
+    stop.set()
     for sender in senders:
         sender.join()
     burst_s = round(time.monotonic() - t0, 1)
@@ -46,6 +62,6 @@ def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_
     row = score(read_records(out / "requests.jsonl"), fault_at)
     statuses = [r["status"] for r in results]
     return {**row, "pids_hit": hit, "offline_yielded_s": _round(yielded_s), "burst_s": burst_s,
-            "offline_back_after_burst_s": _round(back_s), "burst_sent": BURST, "burst_answered": statuses.count(200),
+            "offline_back_after_burst_s": _round(back_s), "burst_sent": len(results), "burst_answered": statuses.count(200),
             "burst_refused_429": statuses.count(429),
             "burst_failed": [r.get("error", r["status"]) for r in results if r["status"] not in (200, 429)]}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.model, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray]
 
 
 def test_online_burst_makes_offline_yield_and_come_back(tmp_path, home_with_model):

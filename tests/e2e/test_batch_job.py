@@ -109,7 +109,6 @@ def test_batch_job_answers_every_line_once_and_resumes(tmp_path: Path, monkeypat
         ray.shutdown()
 
 
-@pytest.mark.soak  # make test keeps the stronger case: tests/multinode/test_batch_nodes.py kills the engine's node
 def test_engine_actor_killed_midway_loses_and_duplicates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 

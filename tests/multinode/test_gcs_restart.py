@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.soak, pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 OUTAGE_TEST = Path(__file__).with_name("gcs_outage.py")
 
 

@@ -25,7 +25,7 @@ from predictor.training.pipeline import train_and_register
 from tests.multinode.serving import MODEL, chat, deploy, wait_for
 from tests.tiny_predictor import CONFIG, EVAL, SPEC, TRAIN
 
-pytestmark = [pytest.mark.soak, pytest.mark.multinode, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow,
+pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 NODE_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "MLFLOW_DISABLE_TELEMETRY": "true"}

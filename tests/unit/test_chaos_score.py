@@ -51,6 +51,8 @@ def test_chaos_refuses_bad_settings_before_starting_anything(tmp_path):
                           ({"flex_share": 1.5}, "--flex-share 1.5")):
         with pytest.raises(ValueError, match=f"^need .*{named} \\(must be"):
             run_chaos(tmp_path, ["engine_kill"], **kwargs)
+    with pytest.raises(ValueError, match="^need --overload-shape shape '1024'"):
+        run_chaos(tmp_path, ["overload"], overload_shapes=("1024",))
     for started_only in ("forward_error", "redeploy", "registry_outage", "drain"):  # their faults need its own service
         with pytest.raises(ValueError, match=rf"\['{started_only}'\] need the service this command starts"):
             run_chaos(tmp_path, [started_only], host="http://127.0.0.1:9")
