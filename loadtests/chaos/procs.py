@@ -84,6 +84,19 @@ def signal_role(role: str, sig: signal.Signals, app: str = "foreserve") -> list[
     return targets
 
 
+def alive(targets: list[int]) -> list[int]:
+    """Those of ``targets`` still running (a zombie, ended but not yet reaped, counts as gone)."""
+    left = []
+    for pid in targets:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            left.append(pid)
+    return left
+
+
 def kill(targets: list[int], sig: signal.Signals) -> None:
     """Send ``sig`` to each of ``targets`` that is still there."""
     for pid in targets:

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from app.engine.faults import FORWARD_ERROR
+from loadtests.bench.burst import wait_until
 from loadtests.chaos import batch, drain, fuzz, probes, procs, redeploy, registry, scale_down, soak
 from loadtests.chaos.load import FLEX_SHARE, start_load
 from loadtests.chaos.score import overload, score
@@ -129,10 +130,12 @@ def load_scenario(name: str, url: str, out: Path, key: str, rate: float, duratio
     ok_s = wait_health(url, status, 180)
     ok_s = None if ok_s is None else round(time.monotonic() - t0, 1)  # from the fault
     locust.join()
+    # NOTE: a process the fault struck must be gone (replaced, or restarted as a new one), or the fault did not happen
+    wait_until(lambda: not procs.alive(hit), 120)
     records = read_records(out / "requests.jsonl")
     row = {**score(records, fault_at), **(overload(records) if name == "overload" else {})}
     after = (get_json(f"{url}/health", 10) or {}).get("predictor_fallbacks")
-    return {**row, "pids_hit": hit, "health_noticed_s": noticed_s, "health_ok_after_s": ok_s,
+    return {**row, "pids_hit": hit, "pids_hit_left": procs.alive(hit), "health_noticed_s": noticed_s, "health_ok_after_s": ok_s,
             "predictor_fallbacks": None if fallbacks is None or after is None else after - fallbacks}
 
 
