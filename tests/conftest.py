@@ -108,13 +108,9 @@ def home_with_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A private data dir like ``home`` with the prepared model and traces linked in, read-only: a
     service started there serves the model, and a load test draws its prompts from the traces
     (which it would otherwise build again, two minutes here)."""
-    from app import paths
+    from tests.homes import link_prepared
 
-    model, traces = paths.model_dir(), paths.traces_dir()  # NOTE: the prepared ones, before FORESERVE_HOME moves
-    home = tmp_path / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / model.name).symlink_to(model)
-    (home / "traces").symlink_to(traces)
+    home = link_prepared(tmp_path / "home")
     monkeypatch.setenv("FORESERVE_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return home

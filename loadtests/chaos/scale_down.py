@@ -41,7 +41,7 @@ def scale_down(url: str, out: Path, key: str, model: str, rate: float, duration_
     results: list = []
     stop = threading.Event()
 
-    def keep_one_open() -> None:  # one chat after another, a pause after a 429 (its Retry-After)
+    def keep_one_open() -> None:  # one chat after another, 2 s after a 429 (send_chat keeps no Retry-After)
         while not stop.is_set():
             mine: list = []
             send_chat(url, model, PROMPT, "default", BURST_TOKENS, mine, key)

@@ -27,15 +27,11 @@ LOST_ENGINE = ("engine_kill", "forward_error", "engine_freeze", "redeploy")
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory):
-    from app import paths
     from loadtests.chaos.run import run_chaos
+    from tests.homes import link_prepared
 
     tmp = tmp_path_factory.mktemp("chaos")
-    model, traces = paths.model_dir(), paths.traces_dir()  # the prepared ones, linked read-only into a home of its own
-    home = tmp / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / model.name).symlink_to(model)
-    (home / "traces").symlink_to(traces)
+    home = link_prepared(tmp / "home")  # module-scoped: conftest's home_with_model is per test
     mp = pytest.MonkeyPatch()
     mp.setenv("FORESERVE_HOME", str(home))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -13,17 +13,9 @@ pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.model, pytest.mark
               pytest.mark.traces, pytest.mark.timeout(3000)]
 
 
-def test_thirty_minutes_of_steady_load_with_cancels_fail_nothing(tmp_path, monkeypatch):
-    from app import paths
+def test_thirty_minutes_of_steady_load_with_cancels_fail_nothing(tmp_path, home_with_model):
     from loadtests.chaos.run import run_chaos
 
-    model, traces = paths.model_dir(), paths.traces_dir()  # the prepared ones, linked into a home of its own
-    home = tmp_path / "home"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / model.name).symlink_to(model)
-    (home / "traces").symlink_to(traces)
-    monkeypatch.setenv("FORESERVE_HOME", str(home))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     summary = run_chaos(tmp_path / "report", ["soak"], rate=0.3, soak_minutes=30.0)
     (row,) = summary["scenarios"]
     print(json.dumps({k: row.get(k) for k in ("sent", "answered", "cut", "error_rate", "rss_slope_mb_per_hour",
