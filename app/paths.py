@@ -17,8 +17,9 @@ def home() -> Path:
     return Path(os.environ.get("FORESERVE_HOME", Path.home() / ".cache" / "foreserve")).expanduser()
 
 
-def model_dir() -> Path:
-    return home() / "models" / "SmolLM2-135M-Instruct"
+def model_dir(name: str = "SmolLM2-135M-Instruct") -> Path:
+    """A packaged model's converted folder (``app.prepare.model``; default the embedded one)."""
+    return home() / "models" / name
 
 
 def traces_dir() -> Path:

@@ -1,4 +1,4 @@
-"""Engine items → OpenAI chat completion objects and SSE events (pure; no Ray)."""
+"""Engine items → OpenAI chat completion and (text) completion objects and SSE events (pure; no Ray)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 
+from app.api.completions import Completion, CompletionChoice
 from app.api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -82,3 +83,27 @@ def sse_chunks(result: ChatResult, item: dict, include_usage: bool) -> Iterator[
         yield _event(result, [ChunkChoice(delta=Delta(), finish_reason=result.finish_reason)])
         if include_usage:
             yield _event(result, [], usage=result.usage)
+
+
+def text_completion(result: ChatResult) -> Completion:
+    return Completion(id=result.request_id, created=result.created, model=result.model, usage=result.usage,
+                      choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+                      service_tier=result.service_tier)
+
+
+def text_sse_chunks(result: ChatResult, item: dict, include_usage: bool) -> Iterator[str]:
+    """The SSE events of a streamed completion for one engine item: its text, the finish reason on
+    the last, then (if asked) a usage-only event."""
+    result.sent_role = True  # NOTE: the answer has started streaming (``_cancel_unstarted``)
+
+    def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk = Completion(id=result.request_id, created=result.created, model=result.model, choices=choices,
+                           usage=usage, service_tier=result.service_tier).model_dump(exclude_none=True)
+        chunk["choices"] = [c.model_dump() for c in choices]  # OpenAI's nulls kept: finish_reason, logprobs
+        return "data: " + json.dumps(chunk) + "\n\n"
+
+    if item["text"] or item["finished"]:
+        finish = result.finish_reason if item["finished"] else None
+        yield event([CompletionChoice(text=item["text"], finish_reason=finish)])
+    if item["finished"] and include_usage:
+        yield event([], usage=result.usage)

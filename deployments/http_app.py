@@ -10,19 +10,21 @@ from fastapi import FastAPI, Request
 
 from app.api import errors
 from app.api.keys import ApiKeys
+from app.api.completions import CompletionRequest
 from app.api.schemas import ChatCompletionRequest
 from app.batch.api import BatchCreate
 from deployments.drain import DrainState, install_drain
 from deployments.http_errors import install_error_handlers, install_header_limit
 from deployments.openapi import document_bodies
 
-app = FastAPI(title="foreserve", description="OpenAI-compatible chat with output-length prediction.")
+app = FastAPI(title="foreserve", description="OpenAI-compatible chat and completions with output-length prediction.")
 
 install_error_handlers(app)
 install_header_limit(app, lambda: getattr(app.state, "max_header_bytes", None))  # set by Ingress.__init__
 DRAIN = DrainState()  # this replica's; `foreserve serve` drains it before stopping (Ingress.drain)
 install_drain(app, DRAIN)
-document_bodies(app, {("/v1/chat/completions", "post"): ChatCompletionRequest, ("/v1/batches", "post"): BatchCreate})
+document_bodies(app, {("/v1/chat/completions", "post"): ChatCompletionRequest, ("/v1/completions", "post"): CompletionRequest,
+                      ("/v1/batches", "post"): BatchCreate})
 
 
 class HttpEdge:

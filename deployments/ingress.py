@@ -1,4 +1,4 @@
-"""The HTTP front door: OpenAI's chat completions API on Ray Serve (FastAPI ingress).
+"""The HTTP front door: OpenAI's chat completions and completions APIs on Ray Serve (FastAPI ingress).
 
 One request's path: auth → body limit → JSON + schema (400 with the failing field) → model id (404)
 → chat template and context checks (400) → the shared predictor (a timeout or failure reserves for
@@ -32,13 +32,15 @@ from ray.serve.handle import DeploymentHandle
 from app import paths
 from app.api import errors
 from app.api.keys import ApiKeys, split_list
-from app.api.prompt import chat_prompt
+from app.api.completions import CompletionRequest
+from app.api.prompt import chat_prompt, text_prompt
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.batch.api import BatchStore
 from app.config import AppConfig
+from app.engine.model.arch import arch_config
 from app.engine.request import Prediction, SamplingParams
 from app.runtime_env import process_defaults
-from deployments.chat import ChatResult, completion, sse_chunks
+from deployments.chat import ChatResult, completion, sse_chunks, text_completion, text_sse_chunks
 from deployments.engine_server import GenerateRequest
 from deployments.files_batches import FilesAndBatches
 from deployments.health import report as health_report
@@ -67,9 +69,11 @@ class Ingress(FilesAndBatches):
         self.pools = {"online": online, "offline": offline}
         self.predictor = predictor
         online = self.config.pools["online"]  # NOTE: both pools serve the same model
-        self.model_id = online.served_model_name
-        self.tokenizer = load_tokenizer(ensure_local_model(online.model_path, paths.store(self.config.store)))
+        self.model_id = online.model_id
+        self.tokenizer = load_tokenizer(ensure_local_model(online.model_path, paths.store(self.config.store)),
+                                        online.chat_template)
         self.limits = {name: pool.sequence_limit_tokens() for name, pool in self.config.pools.items()}
+        self.vocab = arch_config(online.model_path)[1].vocab_size  # token ids a completion's prompt may hold
         # NOTE: `foreserve serve` hands the replicas digests of its FORESERVE_API_KEYS, never the keys
         self.api_keys = ApiKeys(self.config.ingress.api_keys + split_list(os.environ.get("FORESERVE_API_KEYS")),
                                 split_list(os.environ.get("FORESERVE_API_KEY_SHA256")))
@@ -108,14 +112,23 @@ class Ingress(FilesAndBatches):
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=self.model_id)]).model_dump()
+        # NOTE: the longest sequence both pools take: an online request may go to either
+        return ModelList(data=[ModelCard(id=self.model_id, max_model_len=min(self.limits.values()))]).model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        """A prompt continued as it is (a base model's API; the same pools, predictor and reservation)."""
+        return await self._serve(request, CompletionRequest)
+
+    async def _serve(self, request: Request, schema: type[ChatCompletionRequest] | type[CompletionRequest]):
         tier = "online"
         try:
             self._authorize(request)
-            body = await self._parse(request)
+            body = await self._parse(request, schema)
             tier = body.tier
             response = await self._complete(body)
         except errors.APIError as exc:
@@ -125,20 +138,22 @@ class Ingress(FilesAndBatches):
         return response
 
     # -- steps -------------------------------------------------------------------------------
-    async def _parse(self, request: Request) -> ChatCompletionRequest:
+    async def _parse(self, request: Request, schema):
         data = await self._json(request, self.config.ingress.max_body_bytes)
         try:
-            body = ChatCompletionRequest.model_validate(data)
+            body = schema.model_validate(data)
         except ValidationError as exc:
             raise errors.from_validation_error(exc) from None
         if body.model != self.model_id:
             raise errors.model_not_found(body.model)
         return body
 
-    def _tokenize(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
+    def _tokenize(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], int]:
         """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context of
         the pool that will serve it."""
         config = self.config.pools[body.pool]
+        if isinstance(body, CompletionRequest):
+            return text_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens, self.vocab)
         return chat_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens)
 
     async def _predict(self, response, tier: str) -> dict | None:
@@ -153,23 +168,29 @@ class Ingress(FilesAndBatches):
             logger.warning("length predictor unavailable (%s); reserving for max_tokens", type(exc).__name__)
             return None
 
-    async def _complete(self, body: ChatCompletionRequest):
+    async def _complete(self, body: ChatCompletionRequest | CompletionRequest):
         t0 = time.perf_counter()
         tier = body.tier
-        text = body.predictor_text()
-        response = self.predictor.predict.remote(text)  # NOTE: sent now, so it overlaps the chat template
-        try:
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat:
+            text = body.predictor_text()
+            response = self.predictor.predict.remote(text)  # NOTE: sent now, so it overlaps the chat template
+            try:
+                ids, max_tokens = self._tokenize(body)
+            except errors.APIError:
+                response.cancel()
+                raise
+        else:  # NOTE: token ids are checked before they are decoded for the predictor
             ids, max_tokens = self._tokenize(body)
-        except errors.APIError:
-            response.cancel()
-            raise
+            text = body.predictor_text(self.tokenizer)
+            response = self.predictor.predict.remote(text)
         pred = await self._predict(response, tier)
         bound = None
         if pred is not None:  # NOTE: what this pool reserves (its bound_quantile): the engine, router and header agree
             bound = min(self.config.pools[body.pool].reservation_bound(
                 pred["probabilities"], pred["bound_tokens"], pred.get("bucket_range_tokens")), max_tokens)
         request = GenerateRequest(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             prompt_token_ids=ids,
             num_prompt_tokens=len(ids),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -190,7 +211,7 @@ class Ingress(FilesAndBatches):
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._sse(request, body.pool, stream, result, include_usage)
+            events = self._sse(request, body.pool, stream, result, include_usage, sse_chunks if chat else text_sse_chunks)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             async for item in self.calls.answer(request, body.pool, stream, result):
@@ -201,22 +222,24 @@ class Ingress(FilesAndBatches):
             logger.exception("%s failed while answering", result.request_id)
             raise errors.unavailable(f"The {body.pool} pool failed while answering ({type(exc).__name__})") from None
         self._observe(result)
-        return JSONResponse(completion(result).model_dump(), headers=headers)
+        return JSONResponse((completion if chat else text_completion)(result).model_dump(), headers=headers)
 
-    def _sse(self, request: GenerateRequest, pool: str, stream, result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
+    def _sse(self, request: GenerateRequest, pool: str, stream, result: ChatResult, include_usage: bool,
+             chunks=sse_chunks) -> AsyncIterator[str]:
         """The SSE events of a streamed answer (``_stream_events`` over ``PoolCalls.answer``). A client that
         goes away between the engine's first item and the first byte leaves the body never started,
         and a generator never started runs no ``finally``: when it is dropped unstarted, the
         engine's request is cancelled all the same."""
-        events = self._stream_events(self.calls.answer(request, pool, stream, result), result, include_usage)
+        events = self._stream_events(self.calls.answer(request, pool, stream, result), result, include_usage, chunks)
         weakref.finalize(events, _cancel_unstarted, stream, result)
         return events
 
-    async def _stream_events(self, items: AsyncIterator[dict], result: ChatResult, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream_events(self, items: AsyncIterator[dict], result: ChatResult, include_usage: bool,
+                             chunks=sse_chunks) -> AsyncIterator[str]:
         try:
             async for item in items:
                 result.add(item)
-                for event in sse_chunks(result, item, include_usage):
+                for event in chunks(result, item, include_usage):
                     yield event
             self._observe(result)
         except Exception as exc:  # noqa: BLE001 - headers are gone: report in-band, then end the stream

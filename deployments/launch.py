@@ -126,7 +126,7 @@ def check_replicas_fit_a_node(deployments: list[dict], nodes: list[dict]) -> Non
 
 
 def start(config_path: str | None = None, host: str | None = None, port: int | None = None,
-          proxy_location: str | None = None):
+          proxy_location: str | None = None, model: str | None = None):
     """Start Ray (local, or join the cluster at ``RAY_ADDRESS``) and deploy the app; returns (url,
     seconds taken, AppConfig).
 
@@ -161,6 +161,8 @@ def start(config_path: str | None = None, host: str | None = None, port: int | N
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = replica_env(joined)
     entry = application_schema(path, env)
+    if model:  # `foreserve serve --model`: the app's model, for every pool that names none
+        entry["args"] = {**(entry.get("args") or {}), "model": model}
     config = AppConfig.model_validate(entry.get("args") or {})  # fail fast, before starting anything
     proxy_location = proxy_location or ("EveryNode" if joined else top.get("proxy_location", "HeadOnly"))
     schema = ServeDeploySchema.model_validate(

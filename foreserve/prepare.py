@@ -6,18 +6,19 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from app.prepare.model import ensure_model, gguf_path, model_ready
+from app.prepare.model import DEFAULT_MODEL, ensure_model, ensure_served_model, gguf_path, model_folder, model_ready
 from app.prepare.traces import MANIFEST, ensure_traces, source_path
 
 
-def prepare(force: bool = False, predictor: bool = True) -> dict:
+def prepare(force: bool = False, predictor: bool = True, model: str = DEFAULT_MODEL) -> dict:
     """Build the model folder and the ShareGPT traces (first turns: the train conversations' later
     turns wait for the predictor's full recipe) if absent (``force`` rebuilds the traces), and
     meanwhile the engine's CPU kernels (once per machine and checkout: its first replica then starts
     without a minute's compile here; the compiler runs beside the model's conversion and the traces'
     tokenizer); then train, register and promote a first length predictor if MLflow has no champion.
 
-    Returns a summary: paths, per-split record counts, the predictor and seconds spent.
+    ``model``: a model to make ready beside the embedded one (a packaged model's short name or a GGUF
+    file, converted; a folder, checked: ``app.prepare.model.ensure_served_model``). Returns a summary: paths, per-split record counts, the predictor and seconds spent.
     """
     from app.engine.model.cpu_kernels import paged_decode_op
 
@@ -28,6 +29,8 @@ def prepare(force: bool = False, predictor: bool = True) -> dict:
     with ThreadPoolExecutor(1) as pool:  # NOTE: the build waits on g++ and ninja, outside the GIL
         building = pool.submit(paged_decode_op)
         model_path = ensure_model()
+        if model_folder(model) != model_path:
+            model_path = ensure_served_model(model)
         t1 = time.perf_counter()
         traces_path = ensure_traces(force=force)
         kernel = building.result() is not None

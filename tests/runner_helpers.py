@@ -88,6 +88,7 @@ class Seq:
     sampling: SamplingParams
     chunk_tokens: int = 10_000  # prefill chunk size
     start_step: int = 0  # step at which it is admitted
+    preempt_step: int | None = None  # step at which it loses its blocks and recomputes (prompt, then its answer so far)
     blocks: list[int] = field(default_factory=list)
     out: list[int] = field(default_factory=list)
     computed: int = 0
@@ -111,6 +112,10 @@ def play_engine(runner, seqs: list[Seq], max_new: int = NEW_TOKENS) -> dict[str,
     while not all(s.done for s in seqs):
         live = [s for s in seqs if not s.done and s.start_step <= step]
         for s in live:
+            if s.preempt_step == step and s.blocks:
+                pool.free(s.blocks)
+                s.blocks, s.computed = [], 0
+        for s in live:
             if not s.blocks:
                 s.blocks = pool.allocate(pool.blocks_for(len(s.prompt) + max_new))
         chunks = [s.next_chunk() for s in live]
@@ -122,7 +127,7 @@ def play_engine(runner, seqs: list[Seq], max_new: int = NEW_TOKENS) -> dict[str,
             if c.sample:
                 tok = result.sampled_token_ids[s.rid]
                 s.out.append(tok)
-                if tok == runner.eos_token_id or len(s.out) == max_new:
+                if tok == runner.eos_token_id or tok in runner.eos_token_ids or len(s.out) == max_new:
                     s.done = True
                     pool.free(s.blocks)
                     finished.append(s.rid)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -53,15 +53,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body."""
+class GenerationRequest(BaseModel):
+    """What a chat and a (text) completion request share: the model, sampling, streaming, stops,
+    the tier, and the refusal of features foreserve does not implement (``unsupported``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     model: str = Field(min_length=1, description="Served model id (see GET /v1/models).")
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far; at least one message.")
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, description="Only 1 is supported.")
@@ -89,22 +88,15 @@ class ChatCompletionRequest(BaseModel):
         return stop
 
     @model_validator(mode="after")
-    def _no_unsupported_features(self) -> "ChatCompletionRequest":
+    def _no_unsupported_features(self):
         """Tools, JSON mode, logprobs, logit bias and penalties are not implemented: a request that
         asks for them gets a 400 naming the field, not plain text that ignored them."""
         extra = self.model_extra or {}
-        for name, off in UNSUPPORTED.items():
+        for name, off in self.unsupported.items():
             value = extra.get(name)
             if value is not None and value not in off:
                 raise PydanticCustomError("unsupported", "{param} is not supported by this server", {"param": name})
         return self
-
-    @field_validator("messages")
-    @classmethod
-    def _has_user(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.role == "user" and m.text.strip() for m in messages):
-            raise ValueError("messages must contain a non-empty user message")
-        return messages
 
     @property
     def pool(self) -> str:
@@ -119,6 +111,21 @@ class ChatCompletionRequest(BaseModel):
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far; at least one message.")
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
+
+    @field_validator("messages")
+    @classmethod
+    def _has_user(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.role == "user" and m.text.strip() for m in messages):
+            raise ValueError("messages must contain a non-empty user message")
+        return messages
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -189,6 +196,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "foreserve"
+    max_model_len: int | None = None  # the longest prompt + answer served (vLLM's field)
 
 
 class ModelList(BaseModel):

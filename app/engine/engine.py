@@ -170,7 +170,7 @@ class LLMEngine:
         from app.engine.labels import feedback_record
 
         try:
-            self.feedback.append(feedback_record(req, self.config.served_model_name))
+            self.feedback.append(feedback_record(req, self.config.model_id))
         except Exception:  # noqa: BLE001 - losing a label must not fail the request
             logger.exception("could not write the feedback record of %s", req.request_id)
 
@@ -249,8 +249,9 @@ class LLMEngine:
     def _end_status(self, req: Request, hit_stop: bool) -> RequestStatus | None:
         """The one place a request's end is decided, after each new token: a stop string or EOS
         ends it as stopped (also on the last allowed token), reaching max_tokens as length."""
-        eos = self.runner.eos_token_id
-        if hit_stop or (eos is not None and req.output_token_ids[-1] == eos and not req.sampling.ignore_eos):
+        last = req.output_token_ids[-1]
+        is_eos = last == self.runner.eos_token_id or last in self.runner.eos_token_ids
+        if hit_stop or (is_eos and not req.sampling.ignore_eos):
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.sampling.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -15,7 +15,8 @@ class Runner:
     """
 
     simulated: bool = False
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the token a turn ends with
+    eos_token_ids: frozenset[int] = frozenset()  # every token that ends a sequence, besides eos_token_id
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:  # pragma: no cover
         raise NotImplementedError

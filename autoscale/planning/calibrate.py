@@ -87,16 +87,15 @@ def fit(points: list[tuple[int, float]], context: int) -> tuple[float, float, fl
 
 def measure(batch_sizes: list[int], context: int, repeats: int) -> list[tuple[int, float]]:
     """Median decode step time (s) of the real model at each batch size."""
-    from transformers import AutoConfig
-
     from app.config import EngineConfig
+    from app.engine.model.arch import arch_config
     from app.engine.model.hf_runner import HFRunner
     from app.engine.model.timing import bench_runner
 
     steps = repeats
     tokens = max(batch_sizes) * (context + 2 * steps + 40)
     config = EngineConfig(kv_cache_tokens=tokens, max_model_len_tokens=max(2048, context + 64))
-    hf = AutoConfig.from_pretrained(config.model_path)
+    hf = arch_config(config.model_path)[1]
     runner = HFRunner(config, config.kv_pool_blocks(HFRunner.kv_bytes_per_token(hf, config.cache_dtype)))
     return [(b, bench_runner(runner, b, context, steps, warmup=2) / 1000) for b in batch_sizes]
 

@@ -118,7 +118,7 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
     if backend == "auto":
         backend = "serve" if running_app(app_name) else "actors"
     store = ResultStore(out_dir)
-    rows = list(read_input(input_path, engine.served_model_name))
+    rows = list(read_input(input_path, engine.model_id))
     answered = store.answered()
     done = set(answered)
     bad = [r for r in rows if r.error is not None and r.line not in done]

@@ -163,7 +163,7 @@ class ServeStage:
 
         self.config = EngineConfig.model_validate(engine)
         self.limit = self.config.sequence_limit_tokens()
-        self.tokenizer = load_tokenizer(self.config.model_path)
+        self.tokenizer = load_tokenizer(self.config.model_path, self.config.chat_template)
         self.app_name = app_name
         self.pool = serve.get_deployment_handle("offline", app_name).options(stream=True)
         self.store = ResultStore(out)

@@ -34,17 +34,30 @@ EOF
 """
 
 
+def served_models(config_path: str | None, model: str | None) -> set[str]:
+    """The model settings the pools will serve (``--model`` in place of the file's ``args.model``)."""
+    from app.config import AppConfig, app_args
+
+    args = app_args(config_path)
+    return {pool.model for pool in AppConfig.model_validate({**args, **({"model": model} if model else {})}).pools.values()}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from app import paths
+    from app.prepare.model import ensure_served_model, packaged
 
-    if not paths.model_dir().exists():
+    models = served_models(args.config, args.model)  # NOTE: a bad config or model fails here, before Ray starts
+    if not paths.model_dir().exists():  # the embedded model, its traces and first predictor
         if args.no_prepare:
             raise RuntimeError(f"no model at {paths.model_dir()}; run `foreserve prepare` first")
         from foreserve.prepare import prepare
 
-        prepare()
-    url, took_s, config = start(args.config, args.host, args.port, args.proxy_location)
-    model = config.pools["online"].served_model_name
+        name = next((packaged(m).name for m in models if m and packaged(m)), None)
+        prepare(**({"model": name} if name else {}))
+    for model in models:  # converted once (a packaged model, a GGUF file) or checked (a folder)
+        ensure_served_model(model)
+    url, took_s, config = start(args.config, args.host, args.port, args.proxy_location, model=args.model)
+    model = config.pools["online"].model_id
     auth = bool(config.ingress.api_keys or os.environ.get("FORESERVE_API_KEYS") or os.environ.get("FORESERVE_API_KEY_SHA256"))
     print(f"\nforeserve is up at {url} in {took_s:.0f} s (model {model}; pools online + offline).\n"
           f"Prometheus metrics (ray_foreserve_*): {', '.join(metrics_urls())}\nTry:\n{examples(url, model, auth)}\n"
@@ -77,6 +90,11 @@ def add_parser(sub) -> None:
         "ready-to-paste example, and runs until Ctrl-C or SIGTERM, then drains (new requests get 503 with "
         "Retry-After while open ones finish, up to the ingress's drain_timeout_s) and stops. Runs `foreserve prepare` first if the model is missing.",
     )
+    p.add_argument("--model", metavar="MODEL",
+                   help="the model both pools serve, in place of the config's args.model: a local HF folder (config, "
+                        "safetensors, tokenizer), a .gguf file (converted once) or a packaged model's short name "
+                        "(SmolLM2-135M-Instruct, the default; gemma-3-270m); its architecture must be one foreserve "
+                        "runs (docs/models.md)")
     p.add_argument("--config", help="Serve config file (default: the repository's serve_config.yaml)")
     p.add_argument("--host", help="HTTP host (default: the config's http_options, 127.0.0.1; 0.0.0.0 when joining RAY_ADDRESS)")
     p.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode", "Disabled"),

@@ -98,7 +98,7 @@ def run(burst_requests: int = 16, flex_requests: int = 2, max_tokens: int = 64, 
     samples: list[tuple[float, int]] = []
     stop_watch = threading.Event()
     try:
-        model = app_config.pools["online"].served_model_name
+        model = app_config.pools["online"].model_id
         offline_up_s = wait_until(lambda: pool_replicas(APP_NAME, "offline") >= 1, 120)
         if offline_up_s is None:
             raise RuntimeError("the offline pool never started its replica")

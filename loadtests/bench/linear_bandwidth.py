@@ -22,11 +22,10 @@ from loadtests.bench.timer import median_ms
 
 def step_shapes(model_path) -> list[tuple[int, int]]:
     """(out, in) of every linear a decode step calls, in order."""
-    from app.engine.model.llama import model_config
+    from app.engine.model.arch import arch_config
 
-    c = model_config(model_path)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    c = arch_config(model_path)[1]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
              (c.hidden_size, c.intermediate_size)]
     return layer * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]

@@ -50,7 +50,7 @@ def run(requests: int = 20, max_tokens: int = 32, config: str | None = None) -> 
     port = free_port()
     t0 = time.perf_counter()
     url, deploy_s, app_config = start(config, port=port)
-    model = app_config.pools["online"].served_model_name
+    model = app_config.pools["online"].model_id
     import httpx
 
     client = httpx.Client(timeout=120)  # one keep-alive connection, like the openai client's pool

@@ -150,10 +150,10 @@ def build_runner(config: EngineConfig, sim: str | None, tp: int) -> tuple[Runner
         runner = SimRunner(hardware, model, tp)
         num_blocks = runner.kv_budget_bytes() // (runner.kv_bytes_per_token * config.block_size_tokens)
         return runner, int(num_blocks), None
-    from app.engine.model.llama import model_config
+    from app.engine.model.arch import arch_config
     from app.engine.model.hf_runner import HFRunner
 
-    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(model_config(config.model_path), config.cache_dtype))
+    num_blocks = config.kv_pool_blocks(HFRunner.kv_bytes_per_token(arch_config(config.model_path)[1], config.cache_dtype))
     if tp > 1:
         from app.engine.parallel.tp import TPRunner
 

@@ -91,7 +91,8 @@ def _feedback(served) -> list:
 
 def test_models_health_and_chat(served):
     client = _client(served)
-    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"] and models[0].max_model_len == 1536  # online KV 1,536
     health = httpx.get(served["url"] + "/health").json()
     assert health["status"] == "ok" and health["predictor"]["version"] == "1" and set(health["pools"]) == {"online", "offline"}
     assert set(health["replicas"]) == {"online", "offline"} and health["replicas"]["online"] >= 1

@@ -159,3 +159,31 @@ def test_tp2_serve_replica_with_ray_actor_ranks_in_its_placement_group(tmp_path)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+def test_tp2_equals_tp1_on_other_families(tmp_path, kind):
+    """DeepSpeed AutoTP shards transformers' modules of a Qwen3 (per-head q/k norms) and a Gemma 3
+    (sliding windows, four norms a layer); each rank runs the family's forward on its heads, and the
+    greedy tokens equal TP=1's (a tiny random model of each: tests/arch_models.py)."""
+    import torch
+
+    from app.engine.model.hf_runner import HFRunner
+    from app.engine.parallel.tp import TPRunner
+    from tests.arch_models import save_tiny
+
+    save_tiny(kind, tmp_path)
+    config = EngineConfig(model=str(tmp_path), kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1,
+                          dtype="float32", max_num_batched_tokens=64)
+    num_blocks = config.kv_pool_blocks(1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (30, 19)]
+    threads = torch.get_num_threads()
+    expected = play_engine(HFRunner(config, num_blocks, with_tokenizer=False), _seqs(prompts))
+    torch.set_num_threads(threads)
+    tp2 = TPRunner(config.model_copy(update={"tensor_parallel_size": 2}), num_blocks, with_tokenizer=False)
+    try:
+        assert [(i["num_heads"], i["num_kv_heads"]) for i in tp2.rank_info] == [(2, 1), (2, 1)]
+        assert play_engine(tp2, _seqs(prompts)) == expected
+    finally:
+        tp2.shutdown()

@@ -1,5 +1,5 @@
 """foreserve's Llama modules and tokenizer against transformers' own, on the real SmolLM2 checkpoint
-(the refusals and fallbacks that need no checkpoint: tests/unit/test_llama.py)."""
+(the refusals and fallbacks that need no checkpoint: tests/unit/test_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from app.engine.model.llama import load_model, model_config
+from app.engine.model.arch import arch_config, load_model
 from app.engine.text.tokenizer import ChatTokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,10 +37,11 @@ def test_config_and_weights_equal_transformers():
 
     from app.paths import model_dir
 
-    ours, theirs = model_config(model_dir()), AutoConfig.from_pretrained(model_dir())
+    ours, theirs = arch_config(model_dir())[1], AutoConfig.from_pretrained(model_dir())
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "rms_norm_eps", "eos_token_id"):
+                  "head_dim", "rms_norm_eps"):
         assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.eos_token_ids == (theirs.eos_token_id,)
     model = load_model(model_dir(), "auto", torch.float32, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32)
     hf_state = hf.state_dict()
@@ -48,12 +49,15 @@ def test_config_and_weights_equal_transformers():
         assert torch.equal(tensor, hf_state[name]), name
     layer, hf_layer = model.model.layers[3], hf.model.layers[3]
     x = torch.randn(5, ours.hidden_size, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(100, 105)[None]
+    pos = torch.arange(100, 105)
     with torch.inference_mode():
         assert torch.equal(layer.input_layernorm(x), hf_layer.input_layernorm(x))
         assert torch.equal(layer.mlp(x), hf_layer.mlp(x))
-        for a, b in zip(model.model.rotary_emb(x, pos), hf.model.rotary_emb(x, pos)):
-            assert torch.equal(a, b)
+        from app.engine.model.rope import Rope
+
+        ours_rope = Rope(ours.ropes["default"]).cos_sin(pos)
+        for a, b in zip(ours_rope, hf.model.rotary_emb(x, pos[None])):
+            assert torch.equal(a, b[0])
 
 
 @pytest.mark.model

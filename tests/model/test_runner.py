@@ -45,22 +45,21 @@ def reference(runner, prompts, hf_model) -> list[list[int]]:
 
 @pytest.mark.model
 def test_kv_bytes_per_token():
-    from transformers import AutoConfig
-
+    from app.engine.model.arch import arch_config
     from app.engine.model.hf_runner import HFRunner
     from app.paths import model_dir
 
-    hf = AutoConfig.from_pretrained(model_dir())
+    hf = arch_config(model_dir())[1]
     assert HFRunner.kv_bytes_per_token(hf, "float32") == 2 * 30 * 3 * 64 * 4
     assert HFRunner.kv_bytes_per_token(hf, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
 @pytest.mark.model
 def test_runner_loads_foreserve_llama_by_default_and_transformers_on_request(runner, prompts, reference):
-    from app.engine.model.llama import LlamaForCausalLM
+    from app.engine.model.arch.modules import CausalLM
     from app.engine.model.hf_runner import HFRunner
 
-    assert type(runner.model) is LlamaForCausalLM
+    assert type(runner.model) is CausalLM
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight  # tied, as in the checkpoint
     config = EngineConfig(kv_cache_tokens=512, block_size_tokens=BLOCK, torch_threads=1, model_impl="transformers",
                           dtype="float32")
@@ -131,13 +130,12 @@ def test_bfloat16_kv_cache_halves_kv_bytes_and_keeps_greedy_answers(prompts, ref
     NOTE: a bf16 cache is lossy, so a near-tie between two tokens may flip late in an answer, and
     where depends on the CPU's kernels: on an AVX512-BF16 machine one of the three answers
     turned at its 21st token of 24. The first 16 tokens of every answer must agree."""
-    from transformers import AutoConfig
-
+    from app.engine.model.arch import arch_config
     from app.engine.model.hf_runner import HFRunner
 
     config = EngineConfig(kv_cache_tokens=2048, block_size_tokens=BLOCK, torch_threads=1, dtype="float32",
                           kv_cache_dtype="bfloat16")
-    hf = AutoConfig.from_pretrained(config.model_path)
+    hf = arch_config(config.model_path)[1]
     assert HFRunner.kv_bytes_per_token(hf, config.cache_dtype) * 2 == HFRunner.kv_bytes_per_token(hf, "float32")
     r = HFRunner(config, config.kv_pool_blocks(1))
     assert r.k_cache.dtype == torch.bfloat16 and next(r.model.parameters()).dtype == torch.float32

@@ -123,18 +123,18 @@ def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits
     tables = [list(range(sum(-(-n // BLOCK) for n in lens[:i]), sum(-(-n // BLOCK) for n in lens[:i + 1])))
               for i in range(len(prompts))]
     with torch.inference_mode():
-        r._forward(r._prepare([ScheduledChunk(f"p{i}", p[:-1], 0, tables[i], False, GREEDY, 0)
+        r.decoder.forward(r._prepare([ScheduledChunk(f"p{i}", p[:-1], 0, tables[i], False, GREEDY, 0)
                                for i, p in enumerate(prompts)]))  # the prompts' K/V but their last token
         decode = [ScheduledChunk(f"p{i}", p[-1:], len(p) - 1, tables[i], True, GREEDY, 0) for i, p in enumerate(prompts)]
         step = r._prepare(decode)
         assert takes_fused_layers(step, r.ops.fused_rows)
         kv = r.k_cache.clone(), r.v_cache.clone()
-        fused = r._forward(step)
+        fused = r.decoder.forward(step)
         kv_fused = r.k_cache.clone(), r.v_cache.clone()
         r.k_cache.copy_(kv[0]), r.v_cache.copy_(kv[1])
         ops, r.ops = r.ops, dataclasses.replace(r.ops, decode_layer=None)
         try:
-            plain = r._forward(step)
+            plain = r.decoder.forward(step)
         finally:
             r.ops = ops
     assert torch.equal(fused, plain) and torch.equal(kv_fused[0], r.k_cache) and torch.equal(kv_fused[1], r.v_cache)
@@ -144,7 +144,7 @@ def test_bfloat16_decode_steps_run_whole_layers_in_one_call_with_the_same_logits
                for p, t, n in zip(prompts, fused.argmax(-1).tolist(), ref)), (fused.argmax(-1).tolist(), ref)
     with_prompt = decode[:1] + [ScheduledChunk("q", prompts[0][:4], 0, [60], True, GREEDY, 0)]
     assert takes_fused_layers(r._prepare(with_prompt), r.ops.fused_rows)  # its 4 prompt tokens as decode rows
-    assert not takes_fused_layers(build_step(with_prompt, BLOCK, r.rotary, r.k_cache, r.act_dtype, paged=True),
+    assert not takes_fused_layers(build_step(with_prompt, BLOCK, r.decoder.ropes, r.act_dtype, paged=True),
                                   r.ops.fused_rows)
 
 
@@ -167,7 +167,7 @@ def test_prompt_chunks_run_as_decode_rows_give_the_answers_of_the_prefill_path(b
               for i in range(len(prompts))]
     p0, p1, p2 = prompts[:3]
     with torch.inference_mode():
-        r._forward(r._prepare([ScheduledChunk("a", p0[:-1], 0, tables[0], False, GREEDY, 0),
+        r.decoder.forward(r._prepare([ScheduledChunk("a", p0[:-1], 0, tables[0], False, GREEDY, 0),
                                ScheduledChunk("b", p1[:-7], 0, tables[1], False, GREEDY, 0)]))
         chunks = [ScheduledChunk("a", p0[-1:], len(p0) - 1, tables[0], True, GREEDY, 0),  # a decode row
                   ScheduledChunk("b", p1[-7:], len(p1) - 7, tables[1], True, GREEDY, 0),  # a prompt's last chunk
@@ -178,11 +178,11 @@ def test_prompt_chunks_run_as_decode_rows_give_the_answers_of_the_prefill_path(b
         assert folded_step.decode_lens.tolist() == [pos + 1 for c in by_position
                                                     for pos in range(c.start_pos, c.start_pos + len(c.token_ids))]
         kv = r.k_cache.clone(), r.v_cache.clone()
-        folded = r._forward(folded_step)
+        folded = r.decoder.forward(folded_step)
         kv_folded = r.k_cache.clone(), r.v_cache.clone()
         r.k_cache.copy_(kv[0]), r.v_cache.copy_(kv[1])
-        plain_step = build_step(chunks, BLOCK, r.rotary, r.k_cache, r.act_dtype, paged=True)
-        plain = r._forward(plain_step)
+        plain_step = build_step(chunks, BLOCK, r.decoder.ropes, r.act_dtype, paged=True)
+        plain = r.decoder.forward(plain_step)
     # the logits' rows by request: the fold orders rows by position, the prefill path decodes first
     order = [[c.request_id for c in st.sample_chunks].index(name) for st in (folded_step, plain_step) for name in "ab"]
     folded, plain = folded[order[:2]], plain[order[2:]]

@@ -37,7 +37,7 @@ def test_linear_bandwidth_times_the_linears_a_decode_step_calls(tmp_path):
 
     from loadtests.bench.linear_bandwidth import step_shapes
 
-    config = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
     # per layer: q/k/v fused (64 + 2 * 32 rows), o, gate/up fused, down; then the LM head

@@ -24,14 +24,14 @@ def op():
     return got
 
 
-def reference(q, k_pool, v_pool, tables, lens, scale):
-    """Each row's blocks gathered, masked past its length, one SDPA with grouped query heads."""
+def reference(q, k_pool, v_pool, tables, lens, scale, starts=None):
+    """Each row's blocks gathered, cut to [start, length), one SDPA with grouped query heads."""
     out = []
     kvh = k_pool.shape[2]
     for i in range(q.shape[0]):
-        n = int(lens[i])
-        k = k_pool[tables[i]].reshape(-1, kvh, k_pool.shape[3])[:n].transpose(0, 1)
-        v = v_pool[tables[i]].reshape(-1, kvh, v_pool.shape[3])[:n].transpose(0, 1)
+        n, a = int(lens[i]), 0 if starts is None else int(starts[i])
+        k = k_pool[tables[i]].reshape(-1, kvh, k_pool.shape[3])[a:n].transpose(0, 1)
+        v = v_pool[tables[i]].reshape(-1, kvh, v_pool.shape[3])[a:n].transpose(0, 1)
         out.append(F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)[:, 0])
     return torch.stack(out)
 
@@ -53,7 +53,16 @@ def test_paged_decode_equals_gather_and_sdpa(op, heads, kv_heads, dim, kv_dtype,
         torch.set_num_threads(threads)
 
 
-def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125, dim=32):
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_paged_decode_with_a_sliding_window_reads_only_its_last_positions(op, window):
+    """``starts``: each row attends to positions [start, length) only, the window of a sliding-window
+    layer, which may begin inside a block; rows shorter than the window read from 0."""
+    lens = torch.tensor([1, 15, 16, 17, 100, 200, 7])
+    for heads, kv_heads, dim in ((9, 3, 64), (8, 2, 32), (4, 1, 256)):
+        _check_paged_decode(op, heads, kv_heads, torch.bfloat16, lens, dim=dim, starts=(lens - window).clamp(min=0))
+
+
+def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125, dim=32, starts=None):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     num_blocks = 64
     max_blocks = -(-int(lens.max()) // BLOCK)
@@ -69,10 +78,10 @@ def _check_paged_decode(op, heads, kv_heads, kv_dtype, lens, scale=0.125, dim=32
     tables = torch.tensor(tables)
     q = torch.randn(len(lens), heads, dim, generator=g)
     k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
-    got = op(q, k_pool, v_pool, tables, lens, scale)
+    got = op(q, k_pool, v_pool, tables, lens, scale, starts)
     assert got.dtype == torch.float32
     # NOTE: bfloat16 K/V are read exactly (as float32), so the reference sees the same values
-    want = reference(q, k_pool.float(), v_pool.float(), tables, lens, scale)
+    want = reference(q, k_pool.float(), v_pool.float(), tables, lens, scale, starts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -98,6 +107,10 @@ def test_paged_decode_refuses_what_would_read_outside_the_pool(op):
         op(q, pool, pool.bfloat16(), torch.tensor([[0]]), torch.tensor([3]), 1.0)
     with pytest.raises(RuntimeError, match="one table row per query"):
         op(q, pool, pool, torch.tensor([[0], [1]]), torch.tensor([3, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="start outside"):
+        op(q, pool, pool, torch.tensor([[0]]), torch.tensor([3]), 1.0, torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="starts must be"):
+        op(q, pool, pool, torch.tensor([[0]]), torch.tensor([3]), 1.0, torch.tensor([0, 0]))
 
 
 def test_cpu_tag_names_the_instruction_set():
@@ -187,7 +200,7 @@ def test_rope_store_equals_torch_rope_and_index_copy(op, kv_dtype):
     """RoPE on the fused projection's q and k, and the K/V store at each token's slot: the same
     values as the runner's torch ops (rotate-half, cast, index_copy_), bit for bit."""
     from app.engine.model.cpu_kernels import rope_store_op
-    from app.engine.model.hf_runner import _rope
+    from app.engine.model.rope import apply_rope as _rope
 
     rope_store = rope_store_op()
     g = torch.Generator().manual_seed(7)

@@ -24,29 +24,26 @@ def test_a_small_paged_step_runs_its_prompt_tokens_as_decode_rows():
     its sequence's positions up to its own; past it, or without the paged kernel, they stay prefills."""
     from app.engine.model.step_inputs import build_step
     from app.engine.outputs import ScheduledChunk
+    from app.engine.model.rope import Rope, RopeSpec
     from app.engine.request import SamplingParams
 
-    def rotary(like, pos):
-        angles = pos[..., None].float().expand(*pos.shape, 4)
-        return angles.cos(), angles.sin()
-
+    ropes = {"default": Rope(RopeSpec(10000.0, 4))}
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     chunks = [ScheduledChunk("d", [7], 20, [3, 4], True, greedy, 0),  # a decode row at position 20
               ScheduledChunk("p", [1, 2, 3], 16, [5, 6], True, greedy, 0),  # a prompt's last chunk, 16-18
               ScheduledChunk("q", [4, 5], 0, [9], False, greedy, 0)]  # a prompt's first chunk, 0-1
-    like = torch.zeros(1)
-    step = build_step(chunks, 16, rotary, like, torch.float32, paged=True, paged_rows=6)
+    step = build_step(chunks, 16, ropes, torch.float32, paged=True, paged_rows=6)
     assert step.num_decode == 6 and step.prefills == [] and step.decode == []
     assert step.input_ids.tolist() == [4, 5, 1, 2, 3, 7]  # by first position: q, p, d
     assert step.decode_lens.tolist() == [1, 2, 17, 18, 19, 21]
     assert step.decode_tables.tolist() == [[9, 0], [9, 0], [5, 6], [5, 6], [5, 6], [3, 4]]
     assert step.slots.tolist() == [9 * 16, 9 * 16 + 1, 6 * 16, 6 * 16 + 1, 6 * 16 + 2, 4 * 16 + 4]
     assert step.sample_rows.tolist() == [4, 5] and [c.request_id for c in step.sample_chunks] == ["p", "d"]
-    for unfolded in (build_step(chunks, 16, rotary, like, torch.float32, paged=True, paged_rows=5),
-                     build_step(chunks, 16, rotary, like, torch.float32, paged=False, paged_rows=6)):
+    for unfolded in (build_step(chunks, 16, ropes, torch.float32, paged=True, paged_rows=5),
+                     build_step(chunks, 16, ropes, torch.float32, paged=False, paged_rows=6)):
         assert unfolded.num_decode == 1 and [(p.start, p.end) for p in unfolded.prefills] == [(1, 4), (4, 6)]
         assert unfolded.sample_rows.tolist() == [0, 3]
-    assert build_step(chunks, 16, rotary, like, torch.float32, paged=True).decode_lens.tolist() == [21]
+    assert build_step(chunks, 16, ropes, torch.float32, paged=True).decode_lens.tolist() == [21]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 128, 129, 300])  # either side of SKINNY_ROWS

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -239,25 +240,39 @@ def fuse_rows(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
     return fused
 
 
-def pack_layers(layers: list[torch.nn.Module], lm_head: torch.nn.Module, plain_mlp: bool,
-                bf16_op: Callable | None = None, bf16_pack: Callable | None = None) -> tuple[dict[torch.nn.Module, FastLinear],
-                                                          list[torch.nn.Linear | None], list[torch.nn.Linear | None]]:
-    """A Llama model's linears made fast: per layer q, k, v fused into one linear, and gate, up when
-    the MLP is the plain gated one (``fuse_rows``; None where they cannot be); then ``fast_linear``
-    of every linear a step calls. Returns (the fast functions by module, fused q-k-v per layer, fused
-    gate-up per layer); a module missing from the first runs ``linear``'s plain path."""
+@dataclass(frozen=True)
+class LayerLinears:
+    """A decoder layer's linears as its family's forward calls them: the q, k and v projections (or
+    one already fused), o, the MLP's gate and up (or one fused; None: not a gated MLP) and down."""
+
+    qkv: list[torch.nn.Module]
+    o: torch.nn.Module
+    gate_up: list[torch.nn.Module] | None
+    down: torch.nn.Module
+
+
+def _fused(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
+    if len(modules) == 1:  # fused in the checkpoint
+        return modules[0] if _plain_cpu_linear(modules[0]) else None
+    return fuse_rows(modules)
+
+
+def pack_layers(layers: list[LayerLinears], lm_head: torch.nn.Module, bf16_op: Callable | None = None,
+                bf16_pack: Callable | None = None) -> tuple[dict[torch.nn.Module, FastLinear],
+                                                            list[torch.nn.Module | None], list[torch.nn.Module | None]]:
+    """A model's linears made fast: per layer q, k, v as one linear, and gate, up as one
+    (``fuse_rows``; None where they cannot be); then ``fast_linear`` of every linear a step calls.
+    Returns (the fast functions by module, fused q-k-v per layer, fused gate-up per layer); a module
+    missing from the first runs ``linear``'s plain path."""
     modules: list[torch.nn.Module] = []
-    fused_qkv: list[torch.nn.Linear | None] = []
-    fused_gate_up: list[torch.nn.Linear | None] = []
+    fused_qkv: list[torch.nn.Module | None] = []
+    fused_gate_up: list[torch.nn.Module | None] = []
     for layer in layers:
-        a, mlp = layer.self_attn, layer.mlp
-        qkv = fuse_rows([a.q_proj, a.k_proj, a.v_proj])
-        modules += [qkv] if qkv else [a.q_proj, a.k_proj, a.v_proj]
-        modules.append(a.o_proj)
-        gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj]) if plain_mlp else None
-        if plain_mlp:
-            modules += [gate_up] if gate_up else [mlp.gate_proj, mlp.up_proj]
-            modules.append(mlp.down_proj)
+        qkv = _fused(layer.qkv)
+        modules += [qkv] if qkv else layer.qkv
+        gate_up = _fused(layer.gate_up) if layer.gate_up else None
+        modules += [gate_up] if gate_up else (layer.gate_up or [])
+        modules += [layer.o, layer.down]
         fused_qkv.append(qkv)
         fused_gate_up.append(gate_up)
     modules.append(lm_head)

@@ -7,8 +7,10 @@ SmolLM2-135M. ``decode_layer`` runs the same kernels in the same order from C++,
 takes it gives the same logits to the bit (``tests/unit/test_cpu_kernels.py``, ``tests/model/test_runner.py``).
 
 It applies where every linear goes through ``linear_bf16w``: bfloat16 weights on a CPU where
-foreserve's kernels take few rows (``cpu_linear.bf16_kernel_rows``) and at most that many rows, a plain Llama layer (fused q-k-v and gate-up, SiLU,
-float32 RMSNorms of one eps, no biases, no QK norms), and a step whose rows are all decode rows.
+foreserve's kernels take few rows (``cpu_linear.bf16_kernel_rows``) and at most that many rows, a
+plain Llama layer (fused q-k-v and gate-up, SiLU, float32 RMSNorms of one eps, no biases, no QK
+norms, no sliding window, full-width RoPE: ``arch/llama.py`` says), and a step whose rows are all
+decode rows.
 """
 
 from __future__ import annotations
@@ -22,17 +24,6 @@ from app.engine.model.step_inputs import Step
 
 # (input norm weight, qkv weight, o weight, post-attention norm weight, gate-up weight, down weight, eps)
 LayerWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
-
-
-def rms_norm_params(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[torch.Tensor, float]]:
-    """(weight, eps) of each float32 RMSNorm among ``model``'s modules: those ``add_rms_norm`` runs."""
-    params = {}
-    for norm in model.modules():
-        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
-        w = getattr(norm, "weight", None)
-        if "RMSNorm" in type(norm).__name__ and eps is not None and w is not None and w.dtype == torch.float32:
-            params[norm] = (w, eps)
-    return params
 
 
 @dataclass(frozen=True)
@@ -49,31 +40,32 @@ class CpuOps:
     fused_rows: int = 0  # ...for decode steps of up to this many rows
 
 
-def cpu_ops(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list, plain_mlp: bool,
-            rms_params: dict[torch.nn.Module, tuple[torch.Tensor, float]], bf16w_rows: int,
+def cpu_ops(fused_qkv: list, fused_gate_up: list, silu: bool, bf16w_rows: int,
+            layer_weights: Callable[[], list[LayerWeights] | None], layer_linears: list,
             fast: dict[torch.nn.Module, Callable] | None = None) -> CpuOps:
-    """The ops for these layers (``bf16w_rows``: the linears run ``linear_bf16w`` up to this many
-    rows, 0 never; ``fast``: ``pack_layers``' functions by module, whose ``BF16Linear``s hold the
+    """The ops for a model's layers (``silu``: every layer's MLP is SiLU-gated; ``bf16w_rows``: the
+    linears run ``linear_bf16w`` up to this many rows, 0 never; ``layer_weights``: the family's
+    ``decode_layer`` arguments, or None where it cannot run them; ``layer_linears``: each layer's
+    ``LayerLinears``; ``fast``: ``pack_layers``' functions by module, whose ``BF16Linear``s hold the
     packed panels)."""
     from app.engine.model import cpu_kernels
 
     rope_store = cpu_kernels.rope_store_op() if any(fused_qkv) else None
-    silu = plain_mlp and all(type(layer.mlp.act_fn) is torch.nn.SiLU for layer in layers)
-    weights = decode_layer_weights(layers, fused_qkv, fused_gate_up, rms_params) if bf16w_rows and rope_store and silu else None
+    weights = layer_weights() if bf16w_rows and rope_store and silu else None
     return CpuOps(paged_decode=cpu_kernels.paged_decode_op(), rope_store=rope_store,
                   add_rms_norm=cpu_kernels.add_rms_norm_op(), silu_mul=cpu_kernels.silu_mul_op() if silu else None,
                   decode_layer=cpu_kernels.decode_layer_op() if weights else None, layer_weights=weights,
-                  layer_packed=None if weights is None else layer_packed(layers, fused_qkv, fused_gate_up, fast or {}),
+                  layer_packed=None if weights is None else layer_packed(layer_linears, fused_qkv, fused_gate_up, fast or {}),
                   fused_rows=bf16w_rows if weights else 0)
 
 
-def layer_packed(layers: list[torch.nn.Module], fused_qkv: list, fused_gate_up: list,
+def layer_packed(layers: list, fused_qkv: list, fused_gate_up: list,
                  fast: dict[torch.nn.Module, Callable]) -> list[list[torch.Tensor]]:
     """Per layer, the packed panels of its four linears (q-k-v, o, gate-up, down) for ``decode_layer``,
     or none (its linears then take the dot-product kernel at every row count)."""
     out = []
     for layer, qkv, gate_up in zip(layers, fused_qkv, fused_gate_up):
-        packed = [getattr(fast.get(m), "packed", None) for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)]
+        packed = [getattr(fast.get(m), "packed", None) for m in (qkv, layer.o, gate_up, layer.down)]
         out.append(packed if all(p is not None for p in packed) else [])
     return out
 

@@ -1,6 +1,6 @@
 """The index tensors of one runner step, built once from the scheduled chunks and read by every layer:
-token ids, pool slots, RoPE angles, decode block tables (the paged kernel's, or gather + SDPA
-groups) and each prefill chunk's attention plan."""
+token ids, pool slots, each RoPE's angles, decode block tables (the paged kernel's, or gather + SDPA
+groups), each prefill chunk's attention plan, and what a sliding window changes in them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.model.rope import Rope
 from app.engine.outputs import ScheduledChunk
 
 # Decode attention gathers each sequence's KV blocks padded to the longest context of its group, so
@@ -45,13 +46,41 @@ def decode_groups(ctx: list[int]) -> list[tuple[int, int]]:
 
 
 @dataclass(slots=True)
+class WindowView:
+    """What a sliding window of ``w`` tokens (the query's own included) changes in a step's plans:
+    each paged decode row's first position, each decode group's mask, each prefill plan's mask."""
+
+    decode_starts: torch.Tensor | None  # [num_decode] (paged kernel)
+    group_masks: list[torch.Tensor]  # by ``Step.decode``
+    prefill_masks: list[torch.Tensor | None]  # by ``Step.prefills``; None: the plan's own mask holds
+
+
+def window_view(step: "Step", w: int, positions: torch.Tensor) -> WindowView:
+    """``step``'s plans for layers with a window of ``w`` tokens (``positions``: each row's)."""
+    starts = None if step.decode_lens is None else (step.decode_lens - w).clamp(min=0)
+    masks = []
+    for g in step.decode:
+        lens = positions[g.start:g.end] + 1
+        pos = torch.arange(g.mask.shape[-1])
+        masks.append(g.mask & (pos[None, :] >= (lens - w)[:, None])[:, None, None, :])
+    prefill = []
+    for p in step.prefills:
+        q_pos = positions[p.start:p.end]
+        if q_pos[-1] < w:  # no query reaches past the window
+            prefill.append(None)
+            continue
+        kv = torch.arange(p.ctx_tokens)[None, :]
+        prefill.append((kv <= q_pos[:, None]) & (kv > q_pos[:, None] - w))
+    return WindowView(starts, masks, prefill)
+
+
+@dataclass(slots=True)
 class Step:
     """Index tensors for one step, built once and reused by every layer."""
 
     input_ids: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] flat pool slot of each token
-    cos: torch.Tensor  # [T, 1, head_dim]
-    sin: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # by RoPE name: cos, sin [T, 1, rotary_dim]
     num_decode: int  # rows [0, num_decode) attend through the decode path (one-token chunks by ascending
     # context, and a folded step's prompt tokens)
     decode: list[DecodeGroup]  # the gather + SDPA path's groups; empty under the paged kernel
@@ -60,13 +89,14 @@ class Step:
     prefills: list[PrefillPlan]
     sample_rows: torch.Tensor  # rows whose logits are computed
     sample_chunks: list[ScheduledChunk]
+    windows: dict[int, WindowView]  # by sliding window size
 
 
-def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, like: torch.Tensor,
-               act_dtype: torch.dtype, paged: bool, paged_rows: int = 0) -> Step:
-    """The step's tensors for ``chunks`` with KV blocks of ``bs`` tokens: ``rotary`` gives the RoPE
-    angles (in ``like``'s dtype and device, then ``act_dtype``); ``paged``: decode rows read the pool
-    through the paged kernel's block tables, else through gather + SDPA groups. A paged step of at
+def build_step(chunks: list[ScheduledChunk], bs: int, ropes: dict[str, Rope], act_dtype: torch.dtype,
+               paged: bool, paged_rows: int = 0, windows: set[int] = frozenset()) -> Step:
+    """The step's tensors for ``chunks`` with KV blocks of ``bs`` tokens: each of ``ropes``' angles
+    (in ``act_dtype``), and the plans of each sliding window in ``windows``; ``paged``: decode rows
+    read the pool through the paged kernel's block tables, else through gather + SDPA groups. A paged step of at
     most ``paged_rows`` tokens runs its prompt chunks' tokens as decode rows too: the token at
     position p attends to the pool's [0, p], where the layer has stored the chunk's K/V before."""
     # NOTE: a step carrying a prompt chunk took 14 ms more than a decode-only one on one thread here
@@ -95,7 +125,7 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
             sample_rows.append(len(ids) - 1)
             sample_chunks.append(c)
     pos_t = torch.tensor(positions)
-    cos, sin = rotary(like, pos_t[None])
+    angles = {name: rope.cos_sin(pos_t) for name, rope in ropes.items()}
     groups: list[DecodeGroup] = []
     tables = lens = None
     if paged:
@@ -125,9 +155,12 @@ def build_step(chunks: list[ScheduledChunk], bs: int, rotary: torch.nn.Module, l
             mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
             plans.append(PrefillPlan(row, row + n, ctx, blocks, mask))
         row += n
-    return Step(
+    step = Step(
         input_ids=torch.tensor(ids), slots=torch.tensor(slots),
-        cos=cos[0][:, None, :].to(act_dtype), sin=sin[0][:, None, :].to(act_dtype),
+        rope={name: (cos[:, None, :].to(act_dtype), sin[:, None, :].to(act_dtype)) for name, (cos, sin) in angles.items()},
         num_decode=num_decode, decode=groups, decode_tables=tables, decode_lens=lens,
         prefills=plans, sample_rows=torch.tensor(sample_rows, dtype=torch.long), sample_chunks=sample_chunks,
+        windows={},
     )
+    step.windows = {w: window_view(step, w, pos_t) for w in windows}
+    return step

@@ -132,20 +132,25 @@ def rank_env(rank: int, world: int, master_addr: str, master_port: int, threads:
     }
 
 
-def setup_driver(runner: Runner, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
+def setup_driver(runner: Runner, config: EngineConfig, num_blocks: int, with_tokenizer: bool = True) -> tuple[int, int]:
     """The driver-side state both TP runners share (tokenizer, sizes, threads per rank);
     returns (world size, torch threads per rank)."""
+    from app.engine.model.arch import arch_config
+    from app.engine.model.hf_runner import end_tokens
     from app.engine.text.tokenizer import load_tokenizer
 
     runner.tp_size = world = config.tensor_parallel_size
     if world < 2:
         raise ValueError(f"{type(runner).__name__} needs tensor_parallel_size >= 2, got {world}; use HFRunner")
+    arch = arch_config(config.model_path)[1]
+    if world > arch.num_key_value_heads:  # AutoTP shards by KV heads: a rank would hold none
+        raise ValueError(f"tensor_parallel_size {world} exceeds the model's {arch.num_key_value_heads} KV heads")
     threads = config.torch_threads or max(1, (os.cpu_count() or 1) // world)
     runner.config = config.model_copy(update={"torch_threads": threads})
     runner.num_blocks = num_blocks
     runner.block_size = config.block_size_tokens
-    runner.tokenizer = load_tokenizer(config.model_path)
-    runner.eos_token_id = runner.tokenizer.eos_token_id
+    runner.tokenizer = load_tokenizer(config.model_path, config.chat_template) if with_tokenizer else None
+    runner.eos_token_id, runner.eos_token_ids = end_tokens(arch, runner.tokenizer)
     runner.broken = False
     return world, threads
 
@@ -204,10 +209,10 @@ def _stop(procs, conns, shm_paths: list[str]) -> None:
 class TPRunner(Runner):
     """Same contract as ``HFRunner``: ``TPRunner(config, num_blocks)``, ``execute``, ``shutdown``."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, with_tokenizer: bool = True) -> None:
         import torch.multiprocessing as mp
 
-        world, threads = setup_driver(self, config, num_blocks)
+        world, threads = setup_driver(self, config, num_blocks, with_tokenizer)
         self.master_port = port = free_port()
         ctx = mp.get_context("spawn")
         self._procs, self._conns = [], []

@@ -24,7 +24,9 @@ class ReplayRunner(Runner):
         self.lengths: dict[str, int] = dict(lengths or {})
         self.simulated = runner.simulated
         self.eos_token_id = REPLAY_EOS if runner.eos_token_id is None else runner.eos_token_id
-        self._other_token = 0 if self.eos_token_id != 0 else 1
+        self.eos_token_ids = frozenset({self.eos_token_id})
+        self._inner_ends = runner.eos_token_ids | {self.eos_token_id}
+        self._other_token = min(set(range(len(self._inner_ends) + 1)) - self._inner_ends)
 
     def __getattr__(self, name: str):  # the wrapped runner's tokenizer, kv_bytes_per_token, ...
         return getattr(self.inner, name)
@@ -38,7 +40,7 @@ class ReplayRunner(Runner):
                 continue
             if chunk.num_output_tokens + 1 >= length:
                 sampled[chunk.request_id] = self.eos_token_id
-            elif sampled[chunk.request_id] == self.eos_token_id:
+            elif sampled[chunk.request_id] in self._inner_ends:
                 sampled[chunk.request_id] = self._other_token
         return out
 

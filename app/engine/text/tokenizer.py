@@ -3,7 +3,7 @@ and its chat template through a sandboxed jinja2, as transformers' fast tokenize
 
 What the engine, the ingress and the batch stages call (``encode``, ``decode``,
 ``apply_chat_template``, ``eos_token_id``) gives what ``AutoTokenizer`` gives
-(``tests/unit/test_llama.py`` compares them), for ~0.1 s of start-up instead of ~1 s (importing
+(``tests/unit/test_tokenizer.py`` compares them), for ~0.1 s of start-up instead of ~1 s (importing
 transformers, then ``AutoTokenizer``). A folder without ``tokenizer.json`` or with a template that
 needs transformers' extensions gets ``AutoTokenizer`` (``load_tokenizer``).
 """
@@ -84,6 +84,10 @@ class ChatTokenizer:
         except TemplateSyntaxError:  # a tag of transformers' own, or a broken template: its error is transformers'
             return None
 
+    def __len__(self) -> int:
+        """The vocabulary's size, added tokens included (as transformers' ``len(tokenizer)``)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -104,11 +108,25 @@ class ChatTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def load_tokenizer(path: str | Path):
-    """The model folder's tokenizer: ``ChatTokenizer`` where it can, else transformers' ``AutoTokenizer``."""
-    tokenizer = ChatTokenizer.from_dir(path)
-    if tokenizer is not None:
-        return tokenizer
-    from transformers import AutoTokenizer
+def template_text(chat_template: str) -> str:
+    """A ``chat_template`` setting's Jinja text: the file it names, or the setting itself."""
+    if "{" not in chat_template and Path(chat_template).expanduser().is_file():
+        return Path(chat_template).expanduser().read_text()
+    return chat_template
 
-    return AutoTokenizer.from_pretrained(path)
+
+def load_tokenizer(path: str | Path, chat_template: str = ""):
+    """The model folder's tokenizer: ``ChatTokenizer`` where it can, else transformers' ``AutoTokenizer``;
+    ``chat_template`` (a Jinja template or a file's path) in place of the folder's own, if given."""
+    tokenizer = ChatTokenizer.from_dir(path)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        text = template_text(chat_template)
+        if isinstance(tokenizer, ChatTokenizer):
+            tokenizer.chat_template, tokenizer._template = text, _compile_template(text)
+        else:
+            tokenizer.chat_template = text
+    return tokenizer

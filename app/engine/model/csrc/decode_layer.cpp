@@ -54,7 +54,7 @@ at::Tensor decode_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta, c
   };
   auto x = add_rms_norm(h, delta, input_norm, eps);
   auto qk = rope_store(lin(x, qkv_w, 0), cos, sin, slots, k_pool, v_pool, heads, kv_heads);
-  auto attn = paged_decode(qk.narrow(1, 0, heads).contiguous(), k_pool, v_pool, tables, lens, scale);
+  auto attn = paged_decode(qk.narrow(1, 0, heads).contiguous(), k_pool, v_pool, tables, lens, scale, c10::nullopt);
   x = add_rms_norm(h, lin(attn.view({T, heads * dim}), o_w, 1), post_norm, eps);
   return lin(silu_mul(lin(x, gate_up_w, 2)), down_w, 3);
 }

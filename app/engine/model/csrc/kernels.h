@@ -12,7 +12,8 @@
 #include <ATen/ops/zeros.h>
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale);
+                        const at::Tensor& tables, const at::Tensor& lens, double scale,
+                        const c10::optional<at::Tensor>& starts);
 at::Tensor linear_bf16w_dot(const at::Tensor& x, const at::Tensor& w);
 at::Tensor pack_bf16w(const at::Tensor& w);
 bool bf16_packed_rounds_rows();

@@ -7,8 +7,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // NOTE: the GIL is released: the engine steps on its own thread while the replica's event loop
   // streams tokens, as it does during torch's own ops
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV pool (CPU); starts: each row's "
+        "first position (a sliding window)", py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("tables"),
+        py::arg("lens"), py::arg("scale"), py::arg("starts") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16w", &linear_bf16w, "x [m, k] float32 times bfloat16 w [n, k] transposed (+ bias) (CPU); "
         "packed: pack_bf16w(w), for more than 1 row", py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("packed") = py::none(), py::call_guard<py::gil_scoped_release>());

@@ -297,9 +297,11 @@ AttendPart<KV> pick_attend_part(int64_t dim, int64_t rep) {
 }  // namespace
 
 // q [n, H, D]; k_pool, v_pool [num_blocks, block, KVH, D] (one layer); tables [n, max_blocks] int64;
-// lens [n] int64 (tokens to attend to, this step's included) -> [n, H, D]
+// lens [n] int64 (tokens to attend to, this step's included); starts [n] int64 or none (a sliding
+// window's first position, 0 without one) -> [n, H, D]: row i attends to positions [starts[i], lens[i])
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+                        const at::Tensor& tables, const at::Tensor& lens, double scale,
+                        const c10::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: bad shapes");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && tables.device().is_cpu() &&
               lens.device().is_cpu(), "paged_decode: CPU tensors only");
@@ -317,10 +319,21 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t max_blocks = tables.size(1);
   const int64_t* len_p = lens.data_ptr<int64_t>();
   const int64_t* t_p = tables.data_ptr<int64_t>();
+  std::vector<int64_t> zeros;
+  const int64_t* start_p = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->scalar_type() == at::kLong && starts->numel() == n && starts->is_contiguous() &&
+                starts->device().is_cpu(), "paged_decode: starts must be [n] int64 on the CPU");
+    start_p = starts->data_ptr<int64_t>();
+  } else {
+    zeros.assign(n, 0);
+    start_p = zeros.data();
+  }
   const int64_t num_blocks = k_pool.size(0);
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(len_p[i] >= 1 && len_p[i] <= max_blocks * block, "paged_decode: length outside the table");
-    for (int64_t b = 0; b < (len_p[i] + block - 1) / block; ++b) {
+    TORCH_CHECK(start_p[i] >= 0 && start_p[i] < len_p[i], "paged_decode: start outside [0, length)");
+    for (int64_t b = start_p[i] / block; b < (len_p[i] + block - 1) / block; ++b) {
       const int64_t id = t_p[i * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block id outside the pool");
     }
@@ -334,7 +347,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   // NOTE: at batch 1 and 512 tokens, 30 layers apart (K/V out of L2), this took the call from
   // ~210 us (a task per KV head: 128-byte reads 384 bytes apart) to ~90 us on 2 threads here.
   int64_t max_len = 0;
-  for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, len_p[i]);
+  for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, len_p[i] - start_p[i]);
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::max<int64_t>(1, std::min((2 * threads + n - 1) / n, max_len / 64));
   std::vector<float> part_m(n * parts * heads), part_z(n * parts * heads), part_acc(n * parts * heads * dim);
@@ -346,9 +359,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
         // Rows come sorted by length: alternate ends so each thread's contiguous share mixes long and short.
         const int64_t s = u / parts, p = u % parts;
         const int64_t i = (s % 2 == 0) ? s / 2 : n - 1 - s / 2;
-        const int64_t span = (len_p[i] + parts - 1) / parts;
+        const int64_t span = (len_p[i] - start_p[i] + parts - 1) / parts;
         const int64_t slot = i * parts + p;
-        attend(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, p * span, std::min(len_p[i], (p + 1) * span),
+        attend(q_p + i * heads * dim, k_p, v_p, t_p + i * max_blocks, start_p[i] + p * span,
+               std::min(len_p[i], start_p[i] + (p + 1) * span),
                heads, kv_heads, dim, block, static_cast<float>(scale), scores, part_m.data() + slot * heads,
                part_z.data() + slot * heads, part_acc.data() + slot * heads * dim);
       }
