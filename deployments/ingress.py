@@ -36,7 +36,7 @@ from app.api.completions import CompletionRequest
 from app.api.prompt import chat_prompt, text_prompt
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.batch.api import BatchStore
-from app.config import AppConfig
+from app.config import INHERITED, AppConfig
 from app.engine.model.arch import arch_config
 from app.engine.request import Prediction, SamplingParams
 from app.runtime_env import process_defaults
@@ -82,7 +82,9 @@ class Ingress(FilesAndBatches):
         self.metrics = RequestMetrics()
         self.predictor_fallbacks = 0
         # NOTE: files and batches live in the store every node sees: any replica answers for any of them
-        self.batches = BatchStore(paths.store(self.config.store), app_name=serve.get_replica_context().app_name)
+        offline = self.config.pools["offline"]  # the model its batch jobs read their rows for
+        self.batches = BatchStore(paths.store(self.config.store), app_name=serve.get_replica_context().app_name,
+                                  model={key: getattr(offline, key) for key in INHERITED if getattr(offline, key)})
         self.offline_gate = PoolGate(self._replica_states, "offline")
         self.calls = PoolCalls(self.pools, self.config.ingress, self.offline_gate, self.metrics)
 

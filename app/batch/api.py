@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api import errors
 from app.batch import jobs
-from app.batch.io import CHAT_URL, read_status
+from app.batch.io import CHAT_URL, SCHEMAS, read_status
 from predictor.object_store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(strict=True)
 
     input_file_id: str
-    endpoint: str = Field(description=f"only {CHAT_URL}")
+    endpoint: str = Field(description=f"{CHAT_URL} or /v1/completions")
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
@@ -93,13 +93,15 @@ class Batch(BaseModel):
 
 class BatchStore:
     """Files and batches under ``store``'s ``batches/`` prefix (module docstring). ``app_name`` is the
-    Serve app whose offline pool runs the jobs. Instances on any node given the same store see the
-    same files and batches; every object is put whole, so a reader never sees half of one."""
+    Serve app whose offline pool runs the jobs; ``model`` its settings (model, served_model_name,
+    chat_template) that a job's driver and stages read the rows with. Instances on any node given the
+    same store see the same files and batches; every object is put whole, so a reader never sees half of one."""
 
-    def __init__(self, store: ObjectStore | str | Path, app_name: str = "foreserve") -> None:
+    def __init__(self, store: ObjectStore | str | Path, app_name: str = "foreserve", model: dict | None = None) -> None:
         store = store if isinstance(store, ObjectStore) else ObjectStore(store)
         self.store = store.child("batches")
         self.app_name = app_name
+        self.model = model or {}
         self._jobs = None
 
     def jobs(self):
@@ -172,8 +174,8 @@ class BatchStore:
         return self.store.child(batch_id).uri
 
     def create(self, request: BatchCreate, owner: str | None = None) -> Batch:
-        if request.endpoint != CHAT_URL:
-            raise errors.bad_request(f"Only {CHAT_URL} is supported as a batch endpoint.", param="endpoint")
+        if request.endpoint not in SCHEMAS:
+            raise errors.bad_request(f"Only {' and '.join(SCHEMAS)} are supported as batch endpoints.", param="endpoint")
         if request.completion_window != "24h":
             raise errors.bad_request("completion_window must be '24h'.", param="completion_window")
         now_ns = time.time_ns()
@@ -193,8 +195,8 @@ class BatchStore:
 
     def _submit(self, batch_id: str, input_file_id: str, owner: str | None) -> None:
         source = self._content_location(self._file_record(input_file_id, owner))
-        jobs.submit(source, self.output_uri(batch_id), batch_id, backend="serve", extra_args=["--app-name", self.app_name],
-                    jobs=self.jobs())
+        extra = ["--app-name", self.app_name, "--engine", json.dumps(self.model)]  # the served model, not the file's
+        jobs.submit(source, self.output_uri(batch_id), batch_id, backend="serve", extra_args=extra, jobs=self.jobs())
 
     def _state(self, record: dict) -> Batch:
         """The batch of ``record`` as it is now; its job submitted again first if it was lost."""

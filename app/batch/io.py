@@ -1,7 +1,7 @@
 """Offline batch jobs' input and output, in OpenAI's Batch API line format, exactly once.
 
-Input: JSONL (or Parquet) lines ``{"custom_id", "method": "POST", "url": "/v1/chat/completions",
-"body": {...}}``, in a local file or one object of a store (``predictor.object_store.object_at``:
+Input: JSONL (or Parquet) lines ``{"custom_id", "method": "POST", "url": "/v1/chat/completions"
+(or "/v1/completions"), "body": {...}}``, in a local file or one object of a store (``predictor.object_store.object_at``:
 ``s3://bucket/jobs/in.jsonl?endpoint_override=…``). A bad line (invalid JSON, no custom_id, a
 custom_id seen before, a bad body) becomes an error row, never a failed job; the first occurrence of
 a duplicated custom_id is still answered. A body without ``model`` uses the served model.
@@ -28,11 +28,14 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from app.api.errors import from_validation_error
+from app.api.completions import CompletionRequest
 from app.api.schemas import ChatCompletionRequest
 from predictor.object_store import ObjectStore, object_at
 from predictor.records import ChunkWriter, read_records
 
 CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+SCHEMAS = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}  # a line's url -> its body
 STATUS_FILE = "status.json"  # a job's state and summary, in its output store
 RESULTS_FILE = "results.jsonl"  # one answer per input line, in input order
 FLUSH_ROWS = 8  # an engine stores its finished rows in chunks of at most this many rows...
@@ -45,7 +48,7 @@ class InputRow:
 
     line: int  # 1-based input line number: the row's identity (custom_ids may repeat or be missing)
     custom_id: str | None
-    request: ChatCompletionRequest | None = None
+    request: ChatCompletionRequest | CompletionRequest | None = None
     error: str | None = None
 
 
@@ -79,8 +82,9 @@ def _parse(line_no: int, text: str, seen: dict[str, int], default_model: str) ->
     if custom_id in seen:
         return InputRow(line_no, custom_id, error=f"line {line_no}: custom_id {custom_id!r} already used on line {seen[custom_id]}")
     seen[custom_id] = line_no
-    if item.get("method", "POST") != "POST" or item.get("url", CHAT_URL) != CHAT_URL:
-        return InputRow(line_no, custom_id, error=f"line {line_no}: only POST {CHAT_URL} is supported")
+    url = item.get("url", CHAT_URL)
+    if item.get("method", "POST") != "POST" or url not in SCHEMAS:
+        return InputRow(line_no, custom_id, error=f"line {line_no}: only POST {CHAT_URL} or {COMPLETIONS_URL} is supported")
     body = item.get("body")
     if isinstance(body, str):  # Parquet inputs often carry the body as a JSON string column
         try:
@@ -90,7 +94,7 @@ def _parse(line_no: int, text: str, seen: dict[str, int], default_model: str) ->
     if not isinstance(body, dict):
         return InputRow(line_no, custom_id, error=f"line {line_no}: body must be a JSON object")
     try:
-        request = ChatCompletionRequest.model_validate({"model": default_model, **body})
+        request = SCHEMAS[url].model_validate({"model": default_model, **body})
     except ValidationError as exc:
         return InputRow(line_no, custom_id, error=f"line {line_no}: {from_validation_error(exc).message}")
     return InputRow(line_no, custom_id, request=request)

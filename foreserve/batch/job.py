@@ -65,7 +65,27 @@ def pin_predictor(predictor: str, recorded: dict | None = None) -> tuple[str, st
     return source, version
 
 
-def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bound_quantile: float | None = None) -> list[dict]:
+def url_of(request) -> str:
+    from app.api.schemas import ChatCompletionRequest
+    from app.batch.io import CHAT_URL, COMPLETIONS_URL
+
+    return CHAT_URL if isinstance(request, ChatCompletionRequest) else COMPLETIONS_URL
+
+
+def predictor_text(request, tokenizer) -> str:
+    """What the predictor reads of a row: a chat's last user message, a completion's prompt (token ids
+    decoded, or left out where they are not the tokenizer's: the engine refuses that row)."""
+    from app.api.schemas import ChatCompletionRequest
+
+    if isinstance(request, ChatCompletionRequest):
+        return request.predictor_text()
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return tokenizer.decode([i for i in request.prompt if i < len(tokenizer)])
+
+
+def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bound_quantile: float | None = None,
+            tokenizer=None) -> list[dict]:
     """Every row with its predicted bucket and bound (at ``bound_quantile``, the offline pool's):
     Ray Data ``map_batches`` over one predictor actor that loads ``predictor`` (``pin_predictor``)."""
     import ray
@@ -76,7 +96,7 @@ def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bo
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False
     items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
-              "text": r.request.predictor_text()} for r in todo]
+              "url": url_of(r.request), "text": predictor_text(r.request, tokenizer)} for r in todo]
     # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
     # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
     ds = ray.data.from_items(items).map_batches(
@@ -142,7 +162,13 @@ def run_job(input_path: str | Path, out_dir: str | Path, replicas: int = 1, batc
             # started and loaded, so it predicts on an engine's threads; beside a Serve app, on one
             # thread, leaving the cores to the online pool
             threads = 1 if backend == "serve" else engine.torch_threads or os.cpu_count() or 1
-            predicted = predict(todo, source, version, threads, engine.bound_quantile)
+            ids_prompts = any(not isinstance(getattr(r.request, "prompt", ""), str) for r in todo)
+            tokenizer = None
+            if ids_prompts:  # to decode token-id prompts for the predictor
+                from app.engine.text.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(engine.model_path)
+            predicted = predict(todo, source, version, threads, engine.bound_quantile, tokenizer)
             with tqdm(total=len(todo), unit="row", desc="batch", disable=not progress) as bar:
                 generate(workers, plan_batches(predicted, batch_size, engines), bar.update, uuid.uuid4().hex[:8],
                          StartDeadline(workers, start_timeout_s, started))

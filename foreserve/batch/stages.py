@@ -11,7 +11,7 @@ import uuid
 
 from app import paths
 from app.api.errors import APIError
-from app.batch.io import FLUSH_ROWS, InputRow, ResultRow, ResultStore, error_row, ok_row
+from app.batch.io import CHAT_URL, FLUSH_ROWS, InputRow, ResultRow, ResultStore, error_row, ok_row
 from app.config import EngineConfig
 from app.engine.request import EngineRequest, Prediction, SamplingParams
 
@@ -60,25 +60,45 @@ class PredictStage:
 
 
 def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, output_tokens: int,
-                    finish_reason: str | None) -> dict:
-    """A finished answer as an OpenAI chat completion (with usage)."""
+                    finish_reason: str | None, chat: bool = True) -> dict:
+    """A finished answer as an OpenAI chat completion, or (``chat`` False) a text completion, with usage."""
+    from app.api.completions import Completion, CompletionChoice
     from app.api.schemas import ChatCompletion, Choice, ResponseMessage, Usage
 
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens, total_tokens=prompt_tokens + output_tokens)
     reason = "length" if finish_reason == "length" else "stop"
+    if not chat:
+        return Completion(id=request_id, model=model, usage=usage, service_tier="flex",
+                          choices=[CompletionChoice(text=text, finish_reason=reason)]).model_dump()
     return ChatCompletion(id=request_id, model=model, usage=usage, service_tier="flex",
                           choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
+
+
+def prompt_of(tokenizer, request, limit: int, default_max_tokens: int) -> tuple[list[int], int]:
+    """A row's prompt tokens and max_tokens: a chat through the template, a completion's prompt as it is."""
+    from app.api.completions import CompletionRequest
+    from app.api.prompt import chat_prompt, text_prompt
+
+    prompt = text_prompt if isinstance(request, CompletionRequest) else chat_prompt
+    return prompt(tokenizer, request, limit, default_max_tokens)
+
+
+def is_chat(request) -> bool:
+    from app.api.schemas import ChatCompletionRequest
+
+    return isinstance(request, ChatCompletionRequest)
 
 
 def _rows(batch: list[dict], skip: set[int]):
     """(row, prediction, predictor text) for every predicted row of a batch that is not in ``skip``
     (lines some part already answers: a retried batch after a crash)."""
-    from app.api.schemas import ChatCompletionRequest
+    from app.batch.io import SCHEMAS
 
     for item in batch:
         if int(item["line"]) in skip:
             continue
-        row = InputRow(int(item["line"]), str(item["custom_id"]), ChatCompletionRequest.model_validate_json(item["request"]))
+        schema = SCHEMAS[item.get("url", CHAT_URL)]
+        row = InputRow(int(item["line"]), str(item["custom_id"]), schema.model_validate_json(item["request"]))
         own = item.get("predictor_bound_tokens", item["bound_tokens"])
         prediction = Prediction(bucket=int(item["bucket"]), bound_tokens=int(item["bound_tokens"]),
                                 version=str(item["predictor_version"]), predictor_bound_tokens=int(own))
@@ -118,14 +138,12 @@ class EngineStage:
     def run(self, batch: list[dict], key: str) -> int:
         """Generate every row of ``batch`` not answered yet into ``parts/<key>/``; returns the
         number of rows in the batch."""
-        from app.api.prompt import chat_prompt
-
         config, rows = self.config, {}
         results = self.store.writer(key, flush_rows=FLUSH_ROWS)
         for row, prediction, text in _rows(batch, self.store.done_lines(key)):
             try:
-                ids, max_tokens = chat_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
-                                              config.default_max_tokens)
+                ids, max_tokens = prompt_of(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
+                                            config.default_max_tokens)
                 req = self.engine.add_request(EngineRequest(
                     prompt_token_ids=ids, sampling=_sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
                     tier="offline", prediction=prediction, predictor_text=text, stream_text=False))
@@ -143,7 +161,7 @@ class EngineStage:
                     results.append(error_row(row))
                 elif out.finished:
                     body = completion_body(out.request_id, row.request.model, "".join(texts), out.num_prompt_tokens,
-                                           out.num_output_tokens, out.finish_reason)
+                                           out.num_output_tokens, out.finish_reason, is_chat(row.request))
                     results.append(ok_row(row, body, bound))
         results.flush()
         _flush_feedback(self.feedback)
@@ -169,12 +187,11 @@ class ServeStage:
         self.store = ResultStore(out)
 
     def _one(self, row: InputRow, prediction: Prediction, text: str) -> ResultRow:
-        from app.api.prompt import chat_prompt
         from deployments.engine_server import GenerateRequest
 
         config = self.config
         try:
-            ids, max_tokens = chat_prompt(self.tokenizer, row.request, self.limit, config.default_max_tokens)
+            ids, max_tokens = prompt_of(self.tokenizer, row.request, self.limit, config.default_max_tokens)
         except APIError as exc:
             row.error = f"line {row.line}: {exc}"
             return error_row(row)
@@ -203,7 +220,7 @@ class ServeStage:
                 if attempt == SERVE_ATTEMPTS:
                     raise
         body = completion_body(request.request_id, row.request.model, "".join(texts), last["prompt_tokens"],
-                               last["completion_tokens"], last["finish_reason"])
+                               last["completion_tokens"], last["finish_reason"], is_chat(row.request))
         return ok_row(row, body, prediction.bound_tokens)
 
     def run(self, batch: list[dict], key: str) -> int:

@@ -123,3 +123,33 @@ def test_bad_completions_are_4xx_in_openais_shape(served, body, status, match):
     reply = httpx.post(served + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
     assert reply.status_code == status, reply.text
     assert match in reply.json()["error"]["message"]
+
+
+def test_a_batch_of_completions_through_the_batch_api(served):
+    """OpenAI's Batch API on the Gemma app: /v1/completions lines (text and token ids) and a chat
+    line through the configured template, read by the job with the served model's tokenizer."""
+    import json
+    import time
+
+    client = _client(served)
+    lines = [json.dumps({"custom_id": "t", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}}),
+             json.dumps({"custom_id": "i", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": [2, 818, 5279, 529, 7001, 563], "max_tokens": 8, "temperature": 0}}),
+             json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8}})]
+    file = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    out = {x["custom_id"]: x for x in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    assert all(x["error"] is None for x in out.values()), out
+    text = out["t"]["response"]["body"]
+    assert text["object"] == "text_completion" and text["model"] == MODEL and text["choices"][0]["text"]
+    direct = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert text["choices"][0]["text"] == direct.choices[0].text  # the job tokenized with Gemma's tokenizer
+    assert out["i"]["response"]["body"]["usage"]["prompt_tokens"] == 6
+    assert out["c"]["response"]["body"]["object"] == "chat.completion"

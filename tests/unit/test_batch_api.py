@@ -101,15 +101,17 @@ def test_files_are_objects_under_batches(object_store: ObjectStore, fake_jobs: F
 
 
 def test_create_hands_the_job_the_input_and_output_uris(object_store: ObjectStore, fake_jobs: FakeJobs):
-    store = BatchStore(object_store, app_name="myapp")
+    store = BatchStore(object_store, app_name="myapp", model={"model": "gemma-3-270m", "chat_template": "{{ x }}"})
     file = store.add_file("rows.jsonl", ROWS, "batch")
     batch = _create(store, file.id)
     assert batch.status == "validating" and batch.input_file_id == file.id and batch.metadata == {"k": "v"}
     assert batch.expires_at == batch.created_at + 24 * 3600
     job = fake_jobs.submitted[batch.id]
+    # the job reads its rows for the app's model (its tokenizer and template), not serve_config.yaml's
+    served = '{"model": "gemma-3-270m", "chat_template": "{{ x }}"}'
     assert job == {"input": object_store.child("batches", "files", f"{file.id}.jsonl").uri,
                    "output": object_store.child("batches", batch.id).uri,
-                   "backend": "serve", "extra_args": ["--app-name", "myapp"], "jobs": job["jobs"]}
+                   "backend": "serve", "extra_args": ["--app-name", "myapp", "--engine", served], "jobs": job["jobs"]}
     source, key = object_at(job["input"])  # what the job opens, on whichever node it runs
     assert source.get(key) == ROWS
     record = json.loads(object_store.get(f"batches/{batch.id}.json"))

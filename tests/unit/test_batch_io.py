@@ -52,6 +52,41 @@ def test_bad_lines_become_error_rows_and_the_first_duplicate_is_answered(tmp_pat
     assert "only POST" in errors[8][1]
 
 
+def test_completions_lines_are_read_beside_chat_lines(tmp_path: Path):
+    """A line for /v1/completions (a prompt as text or ids) is a completion request; anything else is an error row."""
+    from app.api.completions import CompletionRequest
+    from foreserve.batch.job import predictor_text, url_of
+    from foreserve.batch.stages import completion_body
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"custom_id": "t", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "max_tokens": 9}}),
+        json.dumps({"custom_id": "i", "url": "/v1/completions", "body": {"prompt": [5, 6, 7]}}),
+        json.dumps({"custom_id": "x", "url": "/v1/completions", "body": {"prompt": "hi", "echo": True}}),
+        _line("c"),
+    ]) + "\n")
+    rows = list(read_input(path, MODEL))
+    assert [type(r.request).__name__ for r in rows] == ["CompletionRequest", "CompletionRequest", "NoneType",
+                                                        "ChatCompletionRequest"]
+    assert rows[0].request.requested_max_tokens() == 9 and rows[1].request.requested_max_tokens() == 16  # OpenAI's default
+    assert "echo is not supported" in rows[2].error
+    assert [url_of(r.request) for r in (rows[0], rows[3])] == ["/v1/completions", "/v1/chat/completions"]
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+        def __len__(self):
+            return 7
+
+    assert predictor_text(rows[0].request, None) == "Once upon a time"
+    assert predictor_text(rows[1].request, Tok()) == "5 6"  # an id past the tokenizer is left out
+    assert isinstance(rows[1].request, CompletionRequest)
+    body = completion_body("cmpl-1", MODEL, " there was", 4, 3, "length", chat=False)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == " there was"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["total_tokens"] == 7
+
+
 def test_an_unreadable_input_fails_fast(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list(read_input(tmp_path / "missing.jsonl", MODEL))
