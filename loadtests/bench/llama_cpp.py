@@ -32,7 +32,7 @@ from app import paths
 from app.ports import free_port
 from loadtests.loadtest import get_json
 
-DTYPES = ("bf16", "f32", "q4_1")
+DTYPES = ("bf16", "f32", "q4_1", "q4_k_m")  # q4_1, q4_k_m: a packaged model's own GGUF (SmolLM2's, Gemma 3's)
 PEERS = tuple(f"llama_cpp_{d}" for d in DTYPES)
 SLOTS = (4, 8, 16)
 REPO = Path(__file__).resolve().parents[2]
@@ -58,11 +58,14 @@ def gguf(dtype: str, model_dir: Path | None = None) -> Path:
     """The served weights as a GGUF of ``dtype`` (made once with llama.cpp's converter)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown llama.cpp dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    if dtype == "q4_1":
-        from app.prepare.model import gguf_path
-
-        return gguf_path()
     model_dir = model_dir or paths.model_dir()
+    if dtype in ("q4_1", "q4_k_m"):  # the packaged file itself
+        from app.prepare.model import PACKAGED, gguf_path
+
+        known = PACKAGED.get(model_dir.name)
+        if known is None or dtype not in known.gguf_file.lower():
+            raise ValueError(f"no packaged {dtype} GGUF of {model_dir.name}")
+        return gguf_path(known.name)
     out = paths.home() / "models" / f"{model_dir.name}-{dtype}.gguf"
     if not out.is_file():
         converter = root() / "convert_hf_to_gguf.py"
@@ -184,10 +187,12 @@ def run_llama_cpp(name: str, requests: list[Any], kv_tokens: int, max_tokens: in
     }
 
 
-def batched_bench(dtype: str, batches: list[int], context: int, new_tokens: int, threads: int) -> dict[int, dict]:
+def batched_bench(dtype: str, batches: list[int], context: int, new_tokens: int, threads: int,
+                  model_dir: Path | None = None) -> dict[int, dict]:
     """``llama-batched-bench`` at ``context`` prompt tokens and ``new_tokens`` decoded per sequence:
-    by batch size, decode tok/s (``S_TG t/s``) and prefill tok/s (``S_PP t/s``)."""
-    model = gguf(dtype)
+    by batch size, decode tok/s (``S_TG t/s``) and prefill tok/s (``S_PP t/s``); ``model_dir``: the
+    model (default the embedded one)."""
+    model = gguf(dtype, model_dir)
     ctx = max(batches) * (context + new_tokens) + 64
     out = subprocess.run([str(binary("llama-batched-bench")), "-m", str(model), "-c", str(ctx), "-b", "2048",
                           "-ub", "512", "-npp", str(context), "-ntg", str(new_tokens),

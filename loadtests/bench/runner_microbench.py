@@ -48,7 +48,7 @@ def _runner(args, dtype: str):
 
     need = max(args.batch) * -(-(args.context_tokens + args.warmup + args.steps + 1) // args.block_size)
     need = max(need, -(-2 * args.prefill_tokens // args.block_size))
-    config = EngineConfig(kv_cache_tokens=need * args.block_size, block_size_tokens=args.block_size,
+    config = EngineConfig(model=args.model, kv_cache_tokens=need * args.block_size, block_size_tokens=args.block_size,
                           torch_threads=args.threads, tensor_parallel_size=args.tp,
                           cpu_paged_attention=not args.gather_attention, dtype=dtype,
                           kv_cache_dtype=args.kv_cache_dtype)
@@ -97,6 +97,7 @@ def _foreserve_rows(args, dtype: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="a HF folder or a packaged model's short name (default: the embedded one)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32], help="decode batch sizes")
     ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens per sequence")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per batch size (median reported)")
@@ -114,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="top-p of sampled rows")
     ap.add_argument("--gather-attention", action="store_true",
                     help="decode attention by gather + SDPA instead of the paged C++ kernel (cpu_paged_attention off)")
-    ap.add_argument("--llama-cpp", nargs="*", choices=("f32", "bf16", "q4_1"), default=[], metavar="DTYPE",
-                    help="also run llama-batched-bench on the same weights in these GGUF dtypes (f32, bf16, q4_1; "
+    ap.add_argument("--llama-cpp", nargs="*", choices=("f32", "bf16", "q4_1", "q4_k_m"), default=[], metavar="DTYPE",
+                    help="also run llama-batched-bench on the same weights in these GGUF dtypes (f32, bf16; q4_1, q4_k_m: the packaged model's own file; "
                     "`make llama-cpp` builds it) at the same context, batches and threads")
     ap.add_argument("--bf16-kernel-rows", type=int, default=None, metavar="N",
                     help="bfloat16 linears of up to N rows on foreserve's kernels, more on oneDNN's (default: this "
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         from loadtests.bench.llama_cpp import batched_bench
 
         threads = args.threads or torch.get_num_threads()
-        got = batched_bench(dtype, args.batch, args.context_tokens, 32, threads)
-        prefill = batched_bench(dtype, [1], args.prefill_tokens, 1, threads)[1] if args.prefill_tokens else {}
+        model_dir = EngineConfig(model=args.model).model_path
+        got = batched_bench(dtype, args.batch, args.context_tokens, 32, threads, model_dir)
+        prefill = batched_bench(dtype, [1], args.prefill_tokens, 1, threads, model_dir)[1] if args.prefill_tokens else {}
         rows.append({"system": f"llama.cpp {dtype.upper()}", "decode_tok_s": {b: round(got[b]["decode_tok_s"], 1) for b in args.batch},
                      "prefill_tok_s": round(prefill.get("prefill_tok_s", 0.0), 1) or None})
     print_table(rows, args)

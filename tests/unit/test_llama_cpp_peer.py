@@ -26,6 +26,8 @@ def test_missing_build_says_how_to_make_it(tmp_path, monkeypatch):
         binary("llama-server")
     with pytest.raises(ValueError, match="unknown llama.cpp dtype"):
         gguf("q8_0")
+    with pytest.raises(ValueError, match="no packaged q4_k_m GGUF of SmolLM2-135M-Instruct"):
+        gguf("q4_k_m", tmp_path / "SmolLM2-135M-Instruct")  # that one ships as Q4_1 (Gemma 3's as Q4_K_M)
 
 
 def test_loadtest_dtype_rewrites_every_pool(tmp_path):

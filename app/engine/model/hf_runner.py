@@ -140,7 +140,7 @@ class HFRunner(Runner):
         return build_step(chunks, self.block_size, self.decoder.ropes, self.act_dtype,
                           paged=self.ops.paged_decode is not None,
                           paged_rows=self.ops.fused_rows if self.ops.decode_layer is not None else 0,
-                          windows=self.decoder.windows)
+                          windows=self.decoder.windows, rope_dtype=self.kv_dtype)
 
     def shutdown(self) -> None:
         """Nothing to release in-process; kept for the Runner contract."""

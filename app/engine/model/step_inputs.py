@@ -93,9 +93,11 @@ class Step:
 
 
 def build_step(chunks: list[ScheduledChunk], bs: int, ropes: dict[str, Rope], act_dtype: torch.dtype,
-               paged: bool, paged_rows: int = 0, windows: set[int] = frozenset()) -> Step:
+               paged: bool, paged_rows: int = 0, windows: set[int] = frozenset(),
+               rope_dtype: torch.dtype | None = None) -> Step:
     """The step's tensors for ``chunks`` with KV blocks of ``bs`` tokens: each of ``ropes``' angles
-    (in ``act_dtype``), and the plans of each sliding window in ``windows``; ``paged``: decode rows
+    (rounded to ``rope_dtype`` where given, as transformers' bfloat16 models round them, then in
+    ``act_dtype``), and the plans of each sliding window in ``windows``; ``paged``: decode rows
     read the pool through the paged kernel's block tables, else through gather + SDPA groups. A paged step of at
     most ``paged_rows`` tokens runs its prompt chunks' tokens as decode rows too: the token at
     position p attends to the pool's [0, p], where the layer has stored the chunk's K/V before."""
@@ -126,6 +128,8 @@ def build_step(chunks: list[ScheduledChunk], bs: int, ropes: dict[str, Rope], ac
             sample_chunks.append(c)
     pos_t = torch.tensor(positions)
     angles = {name: rope.cos_sin(pos_t) for name, rope in ropes.items()}
+    if rope_dtype is not None:
+        angles = {name: (cos.to(rope_dtype), sin.to(rope_dtype)) for name, (cos, sin) in angles.items()}
     groups: list[DecodeGroup] = []
     tables = lens = None
     if paged:
