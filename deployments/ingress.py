@@ -33,7 +33,7 @@ from app import paths
 from app.api import errors
 from app.api.keys import ApiKeys, split_list
 from app.api.completions import CompletionRequest
-from app.api.prompt import chat_prompt, text_prompt
+from app.api.prompt import request_prompt
 from app.api.schemas import ChatCompletionRequest, ModelCard, ModelList
 from app.batch.api import BatchStore
 from app.config import INHERITED, AppConfig
@@ -154,9 +154,7 @@ class Ingress(FilesAndBatches):
         """The prompt's tokens and the max_tokens to use, or 400 if they cannot fit the context of
         the pool that will serve it."""
         config = self.config.pools[body.pool]
-        if isinstance(body, CompletionRequest):
-            return text_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens, self.vocab)
-        return chat_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens)
+        return request_prompt(self.tokenizer, body, self.limits[body.pool], config.default_max_tokens, self.vocab)
 
     async def _predict(self, response, tier: str) -> dict | None:
         """The predictor's answer to ``response`` (a sent ``predict`` call), or None (reserve
@@ -174,18 +172,13 @@ class Ingress(FilesAndBatches):
         t0 = time.perf_counter()
         tier = body.tier
         chat = isinstance(body, ChatCompletionRequest)
-        if chat:
-            text = body.predictor_text()
-            response = self.predictor.predict.remote(text)  # NOTE: sent now, so it overlaps the chat template
-            try:
-                ids, max_tokens = self._tokenize(body)
-            except errors.APIError:
-                response.cancel()
-                raise
-        else:  # NOTE: token ids are checked before they are decoded for the predictor
+        text = body.predictor_text(self.tokenizer)
+        response = self.predictor.predict.remote(text)  # NOTE: sent now, so it overlaps the chat template
+        try:
             ids, max_tokens = self._tokenize(body)
-            text = body.predictor_text(self.tokenizer)
-            response = self.predictor.predict.remote(text)
+        except errors.APIError:
+            response.cancel()
+            raise
         pred = await self._predict(response, tier)
         bound = None
         if pred is not None:  # NOTE: what this pool reserves (its bound_quantile): the engine, router and header agree

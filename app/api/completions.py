@@ -40,8 +40,11 @@ class CompletionRequest(GenerationRequest):
         return self.max_tokens
 
     def predictor_text(self, tokenizer) -> str:
-        """What the length predictor reads: the prompt (token ids decoded; check them first, ``text_prompt``)."""
-        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
+        """What the length predictor reads: the prompt, token ids decoded (those past the tokenizer's
+        vocabulary left out: ``text_prompt`` refuses them)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return tokenizer.decode([i for i in self.prompt if i < len(tokenizer)])
 
 
 class CompletionChoice(BaseModel):

@@ -39,6 +39,15 @@ def text_prompt(tokenizer, body: CompletionRequest, context: int, default_max_to
     return ids, budget(len(ids), body.requested_max_tokens(), context, default_max_tokens, "your prompt takes")
 
 
+def request_prompt(tokenizer, body: ChatCompletionRequest | CompletionRequest, context: int, default_max_tokens: int,
+                   vocab: int | None = None) -> tuple[list[int], int]:
+    """A request's prompt tokens and max_tokens: a chat through the template, a completion's prompt as
+    it is (``vocab``: ``text_prompt``'s)."""
+    if isinstance(body, CompletionRequest):
+        return text_prompt(tokenizer, body, context, default_max_tokens, vocab)
+    return chat_prompt(tokenizer, body, context, default_max_tokens)
+
+
 def budget(prompt_tokens: int, requested: int | None, context: int, default_max_tokens: int, what: str) -> int:
     """The max_tokens of a prompt of ``prompt_tokens``: ``requested``, else as many as fit, up to the
     default; ``APIError`` (400, ``context_length_exceeded``) where they do not fit ``context``."""

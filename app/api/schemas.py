@@ -130,8 +130,9 @@ class ChatCompletionRequest(GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def predictor_text(self) -> str:
-        """What the length predictor reads: the last user message."""
+    def predictor_text(self, tokenizer=None) -> str:
+        """What the length predictor reads: the last user message (``tokenizer``: unused, as
+        ``CompletionRequest.predictor_text`` takes it)."""
         return next(m.text for m in reversed(self.messages) if m.role == "user" and m.text.strip())
 
     def chat_messages(self) -> list[dict]:

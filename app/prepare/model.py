@@ -50,13 +50,10 @@ def model_folder(model: str) -> Path:
 
 
 def model_name(model: str) -> str:
-    """The id a model is served as by default: its short name, or its folder's or GGUF file's name."""
-    if not model:
-        return DEFAULT_MODEL
-    if (known := packaged(model)) is not None:
-        return known.name
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.resolve().name
+    """The id a model is served as by default: its short name, or its folder's or GGUF file's name
+    (the name of ``model_folder``'s folder; a folder path's as it resolves, "." included)."""
+    folder = model_folder(model)
+    return folder.resolve().name if folder == Path(model).expanduser() else folder.name
 
 
 def ensure_served_model(model: str) -> Path:
@@ -120,7 +117,7 @@ def model_ready(target: Path | None = None) -> bool:
 def ensure_model(target: Path | None = None, name: str = DEFAULT_MODEL) -> Path:
     """Return the packaged model ``name`` as a plain HF model folder, converting it on first use
     (``target``: where, default the data dir's ``models/<name>``)."""
-    target = target or paths.model_dir(packaged(name).name if packaged(name) else name)
+    target = target or model_folder(name)
     if model_ready(target):
         return target
     return convert_gguf(gguf_path(name), target)

@@ -66,22 +66,10 @@ def pin_predictor(predictor: str, recorded: dict | None = None) -> tuple[str, st
 
 
 def url_of(request) -> str:
-    from app.api.schemas import ChatCompletionRequest
-    from app.batch.io import CHAT_URL, COMPLETIONS_URL
+    """The batch line url of a row's request (``app.batch.io.SCHEMAS``)."""
+    from app.batch.io import SCHEMAS
 
-    return CHAT_URL if isinstance(request, ChatCompletionRequest) else COMPLETIONS_URL
-
-
-def predictor_text(request, tokenizer) -> str:
-    """What the predictor reads of a row: a chat's last user message, a completion's prompt (token ids
-    decoded, or left out where they are not the tokenizer's: the engine refuses that row)."""
-    from app.api.schemas import ChatCompletionRequest
-
-    if isinstance(request, ChatCompletionRequest):
-        return request.predictor_text()
-    if isinstance(request.prompt, str):
-        return request.prompt
-    return tokenizer.decode([i for i in request.prompt if i < len(tokenizer)])
+    return next(url for url, schema in SCHEMAS.items() if type(request) is schema)
 
 
 def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bound_quantile: float | None = None,
@@ -96,7 +84,7 @@ def predict(todo: list[InputRow], predictor: str, version: str, threads: int, bo
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False
     items = [{"line": r.line, "custom_id": r.custom_id, "request": r.request.model_dump_json(),
-              "url": url_of(r.request), "text": predictor_text(r.request, tokenizer)} for r in todo]
+              "url": url_of(r.request), "text": r.request.predictor_text(tokenizer)} for r in todo]
     # NOTE: no runtime_env on the stage (an actor with one of its own needs a worker started for
     # it: ~1 s more on the job's critical path here); the stage sets its own torch threads.
     ds = ray.data.from_items(items).map_batches(

@@ -11,6 +11,7 @@ import uuid
 
 from app import paths
 from app.api.errors import APIError
+from app.api.prompt import request_prompt
 from app.batch.io import CHAT_URL, FLUSH_ROWS, InputRow, ResultRow, ResultStore, error_row, ok_row
 from app.config import EngineConfig
 from app.engine.request import EngineRequest, Prediction, SamplingParams
@@ -74,13 +75,7 @@ def completion_body(request_id: str, model: str, text: str, prompt_tokens: int, 
                           choices=[Choice(message=ResponseMessage(content=text), finish_reason=reason)]).model_dump()
 
 
-def prompt_of(tokenizer, request, limit: int, default_max_tokens: int) -> tuple[list[int], int]:
-    """A row's prompt tokens and max_tokens: a chat through the template, a completion's prompt as it is."""
-    from app.api.completions import CompletionRequest
-    from app.api.prompt import chat_prompt, text_prompt
 
-    prompt = text_prompt if isinstance(request, CompletionRequest) else chat_prompt
-    return prompt(tokenizer, request, limit, default_max_tokens)
 
 
 def is_chat(request) -> bool:
@@ -142,7 +137,7 @@ class EngineStage:
         results = self.store.writer(key, flush_rows=FLUSH_ROWS)
         for row, prediction, text in _rows(batch, self.store.done_lines(key)):
             try:
-                ids, max_tokens = prompt_of(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
+                ids, max_tokens = request_prompt(self.engine.tokenizer, row.request, self.engine.sequence_limit_tokens,
                                             config.default_max_tokens)
                 req = self.engine.add_request(EngineRequest(
                     prompt_token_ids=ids, sampling=_sampling(row.request, max_tokens), request_id=f"batch-{uuid.uuid4().hex}",
@@ -191,7 +186,7 @@ class ServeStage:
 
         config = self.config
         try:
-            ids, max_tokens = prompt_of(self.tokenizer, row.request, self.limit, config.default_max_tokens)
+            ids, max_tokens = request_prompt(self.tokenizer, row.request, self.limit, config.default_max_tokens)
         except APIError as exc:
             row.error = f"line {row.line}: {exc}"
             return error_row(row)

@@ -55,7 +55,7 @@ def test_bad_lines_become_error_rows_and_the_first_duplicate_is_answered(tmp_pat
 def test_completions_lines_are_read_beside_chat_lines(tmp_path: Path):
     """A line for /v1/completions (a prompt as text or ids) is a completion request; anything else is an error row."""
     from app.api.completions import CompletionRequest
-    from foreserve.batch.job import predictor_text, url_of
+    from foreserve.batch.job import url_of
     from foreserve.batch.stages import completion_body
 
     path = tmp_path / "in.jsonl"
@@ -79,8 +79,8 @@ def test_completions_lines_are_read_beside_chat_lines(tmp_path: Path):
         def __len__(self):
             return 7
 
-    assert predictor_text(rows[0].request, None) == "Once upon a time"
-    assert predictor_text(rows[1].request, Tok()) == "5 6"  # an id past the tokenizer is left out
+    assert rows[0].request.predictor_text(None) == "Once upon a time"
+    assert rows[1].request.predictor_text(Tok()) == "5 6"  # an id past the tokenizer is left out
     assert isinstance(rows[1].request, CompletionRequest)
     body = completion_body("cmpl-1", MODEL, " there was", 4, 3, "length", chat=False)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == " there was"

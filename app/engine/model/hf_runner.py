@@ -14,7 +14,7 @@ import time
 import torch
 
 from app.config import EngineConfig
-from app.engine.model.arch import arch_config, decoder_for, kv_bytes_per_token, load_model
+from app.engine.model.arch import arch_config, kv_bytes_per_token, load_model
 from app.engine.model.arch.config import ArchConfig
 from app.engine.model.arch.decoder import Kernels
 from app.engine.model.attention import PagedAttention
@@ -52,10 +52,10 @@ class HFRunner(Runner):
         self.dtype = torch_dtype(config.weights_dtype)
         self.block_size = config.block_size_tokens
         self.num_blocks = num_blocks
-        _, self.arch = arch_config(config.model_path)  # refuses an unsupported model before it loads
+        family, self.arch = arch_config(config.model_path)  # refuses an unsupported model before it loads
         if model is None:
             self.device = resolve_device(config.device)
-            model = load_model(config.model_path, config.model_impl, self.dtype, self.device)
+            model = load_model(config.model_path, config.model_impl, self.dtype, self.device, (family, self.arch))
         else:  # an already placed (e.g. sharded) model
             self.device = next(model.parameters()).device
         self.model = model.eval().requires_grad_(False)
@@ -68,7 +68,7 @@ class HFRunner(Runner):
                     module.to(self.act_dtype)
         self.tokenizer = load_tokenizer(config.model_path, config.chat_template) if with_tokenizer else None
         self.eos_token_id, self.eos_token_ids = end_tokens(self.arch, self.tokenizer)
-        self.decoder = decoder_for(self.model, config.model_path)
+        self.decoder = family.DECODER(self.model, self.arch)
         self.vocab_size = self.arch.vocab_size
         self._set_up_kernels(config, num_blocks)
         self.sampler = Sampler(config.seed)
@@ -98,14 +98,14 @@ class HFRunner(Runner):
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.ops = CpuOps()
+        rms = d.rms_params()
         if config.cpu_paged_attention and self.device.type == "cpu" and self.act_dtype == torch.float32 \
                 and self.kv_dtype in (torch.float32, torch.bfloat16):
-            silu = all(type(getattr(layer.mlp, "act_fn", getattr(layer.mlp, "activation_fn", None))) is torch.nn.SiLU
-                       for layer in d.layers)
+            silu = all(type(d.activation(i)) is torch.nn.SiLU for i in range(len(d.layers)))
             self.ops = cpu_ops(fused_qkv, fused_gate_up, silu, bf16w_rows if bf16_op is not None else 0,
-                               lambda: d.fused_layer_weights(fused_qkv, fused_gate_up, d.rms_params()), groups, packed)
+                               lambda: d.fused_layer_weights(fused_qkv, fused_gate_up, rms), groups, packed)
         attention = PagedAttention(self.k_cache, self.v_cache, self.num_heads, self.ops.paged_decode)
-        d.bind(Kernels(attention, self.ops, packed, fused_qkv, fused_gate_up, self.act_dtype))
+        d.bind(Kernels(attention, self.ops, packed, fused_qkv, fused_gate_up, self.act_dtype, rms))
 
     @staticmethod
     def kv_bytes_per_token(arch, dtype: str | torch.dtype) -> int:

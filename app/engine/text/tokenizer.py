@@ -84,6 +84,9 @@ class ChatTokenizer:
         except TemplateSyntaxError:  # a tag of transformers' own, or a broken template: its error is transformers'
             return None
 
+    def set_chat_template(self, template: str) -> None:
+        self.chat_template, self._template = template, _compile_template(template)
+
     def __len__(self) -> int:
         """The vocabulary's size, added tokens included (as transformers' ``len(tokenizer)``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -126,7 +129,7 @@ def load_tokenizer(path: str | Path, chat_template: str = ""):
     if chat_template:
         text = template_text(chat_template)
         if isinstance(tokenizer, ChatTokenizer):
-            tokenizer.chat_template, tokenizer._template = text, _compile_template(text)
+            tokenizer.set_chat_template(text)
         else:
             tokenizer.chat_template = text
     return tokenizer

@@ -16,7 +16,6 @@ from torch import nn
 
 from app.engine.model.arch import gemma3, llama, phi3, qwen2, qwen3
 from app.engine.model.arch.config import ArchConfig, read_config
-from app.engine.model.arch.decoder import Decoder
 from app.engine.model.arch.modules import load_checkpoint, weight_files
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen2, qwen3, gemma3, phi3)
@@ -54,10 +53,12 @@ def arch_config(model_path: str | Path) -> tuple[ModuleType, ArchConfig]:
         raise UnsupportedModel(f"{model_path}: {exc}") from exc
 
 
-def load_model(model_path: str | Path, model_impl: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_path: str | Path, model_impl: str, dtype: torch.dtype, device: torch.device,
+               arch: tuple[ModuleType, ArchConfig] | None = None) -> nn.Module:
     """The checkpoint in foreserve's modules or transformers', as ``model_impl`` asks (``auto``: ours
-    wherever the folder has safetensors weights). The forward is the family's either way."""
-    family, config = arch_config(model_path)
+    wherever the folder has safetensors weights). The forward is the family's either way. ``arch``:
+    ``arch_config(model_path)``, where the caller has read it already."""
+    family, config = arch or arch_config(model_path)
     try:
         weight_files(Path(model_path))
         reason = None
@@ -72,11 +73,6 @@ def load_model(model_path: str | Path, model_impl: str, dtype: torch.dtype, devi
     with torch.device("meta"):
         model = family.build(config)
     return load_checkpoint(model, Path(model_path), dtype, device)
-
-
-def decoder_for(model: nn.Module, model_path: str | Path) -> Decoder:
-    family, config = arch_config(model_path)
-    return family.DECODER(model, config)
 
 
 def kv_bytes_per_token(config: ArchConfig, dtype: str | torch.dtype) -> int:

@@ -35,6 +35,7 @@ class Kernels:
     fused_qkv: list[nn.Module | None]
     fused_gate_up: list[nn.Module | None]
     act_dtype: torch.dtype
+    rms: dict[nn.Module, tuple[torch.Tensor, float]]  # ``Decoder.rms_params``
 
 
 class Decoder:
@@ -92,7 +93,7 @@ class Decoder:
 
     def bind(self, kernels: Kernels) -> None:
         self.k = kernels
-        self._rms = self.rms_params()
+        self._rms = kernels.rms
 
     # -- pieces ------------------------------------------------------------------------------
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +122,21 @@ class Decoder:
         w, eps = params
         return F.rms_norm(x, w.shape, w, eps)
 
+    def qkv_of(self, i: int) -> nn.Module | None:
+        """Layer ``i``'s q, k and v as one linear, or None (three of them)."""
+        return self.k.fused_qkv[i]
+
+    def gate_up_of(self, i: int) -> nn.Module | None:
+        """Layer ``i``'s gate and up as one linear (gate first), or None (two of them)."""
+        return self.k.fused_gate_up[i]
+
+    def activation(self, i: int) -> nn.Module:
+        return self.layers[i].mlp.act_fn
+
     def projections(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k and v ``[T, KVH, D]`` of layer ``i``, before RoPE."""
         T, d = x.shape[0], self.head_dim
-        qkv = self.k.fused_qkv[i]
+        qkv = self.qkv_of(i)
         if qkv is not None:
             out = self.linear(qkv, x)
             nq, nk = self.num_heads * d, self.num_kv_heads * d
@@ -165,16 +177,16 @@ class Decoder:
         return self.k.attention.attend(i, q, k, v, step, self.scale, window)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.layers[i].mlp
-        if (gu := self.k.fused_gate_up[i]) is not None:
+        mlp, act_fn = self.layers[i].mlp, self.activation(i)
+        if (gu := self.gate_up_of(i)) is not None:
             gate_up = self.linear(gu, x)
-            if self.k.ops.silu_mul is not None and type(mlp.act_fn) is nn.SiLU and gate_up.is_contiguous():
+            if self.k.ops.silu_mul is not None and type(act_fn) is nn.SiLU and gate_up.is_contiguous():
                 act = self.k.ops.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=1)
-                act = mlp.act_fn(gate) * up
+                act = act_fn(gate) * up
         else:
-            act = mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x)
+            act = act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x)
         return self.linear(mlp.down_proj, act)
 
     def after_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,10 +93,8 @@ class Gemma3Decoder(Decoder):
         self.softcap = config.extra.get("final_logit_softcapping")
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor | None:
-        w = getattr(norm, "weight", None)
-        if "RMSNorm" not in type(norm).__name__ or w is None or w.dtype != torch.float32:
-            return None
-        return 1.0 + w  # computed once (``rms_params``), so a step multiplies as a plain RMSNorm does
+        w = super().norm_weight(norm)
+        return None if w is None else 1.0 + w  # computed once (``rms_params``): a step multiplies as a plain RMSNorm does
 
     def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.layers[i].self_attn

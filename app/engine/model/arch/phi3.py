@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from app.engine.model.arch.config import ArchConfig, common_fields
@@ -53,22 +52,14 @@ class Phi3Decoder(Decoder):
         return [LayerLinears([layer.self_attn.qkv_proj], layer.self_attn.o_proj, [layer.mlp.gate_up_proj],
                              layer.mlp.down_proj) for layer in self.layers]
 
-    def projections(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        T, d = x.shape[0], self.head_dim
-        out = self.linear(self.k.fused_qkv[i] or self.layers[i].self_attn.qkv_proj, x)
-        nq, nk = self.num_heads * d, self.num_kv_heads * d
-        return (out[:, :nq].view(T, self.num_heads, d), out[:, nq:nq + nk].view(T, self.num_kv_heads, d),
-                out[:, nq + nk:].view(T, self.num_kv_heads, d))
+    def qkv_of(self, i: int) -> nn.Module:  # fused in the checkpoint (prepacked, or a TP shard's own)
+        return self.k.fused_qkv[i] or self.layers[i].self_attn.qkv_proj
 
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.layers[i].mlp
-        gate_up = self.linear(self.k.fused_gate_up[i] or mlp.gate_up_proj, x)
-        if self.k.ops.silu_mul is not None and type(mlp.activation_fn) is nn.SiLU and gate_up.is_contiguous():
-            act = self.k.ops.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=1)
-            act = mlp.activation_fn(gate) * up
-        return self.linear(mlp.down_proj, act)
+    def gate_up_of(self, i: int) -> nn.Module:
+        return self.k.fused_gate_up[i] or self.layers[i].mlp.gate_up_proj
+
+    def activation(self, i: int) -> nn.Module:
+        return self.layers[i].mlp.activation_fn
 
 
 DECODER = Phi3Decoder
